@@ -1,0 +1,50 @@
+"""The one interface every attention backend implements.
+
+A backend turns a `Batch` into whatever per-step metadata its kernels need (`plan`,
+once per forward, shared by all layers), then per layer writes the new K/V into the
+paged cache through the slot mapping and attends over each sequence's cached context.
+Backends never allocate KV blocks and never see requests.
+"""
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from model.batch import Batch
+
+
+class AttentionBackend(ABC):
+    name: str = "abstract"
+
+    @abstractmethod
+    def plan(self, batch: Batch) -> Any:
+        """Per-step metadata, computed once and reused by every layer."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: Batch,
+        plan: Any,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, n_heads, head_dim]; k, v: [T, n_kv_heads, head_dim] for the new tokens;
+        caches: [num_blocks, block_size, n_kv_heads, head_dim]. Returns [T, n_heads, head_dim]."""
+
+
+def write_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Stores the new tokens' K/V at their slots (slot = block_id * block_size + offset)."""
+    n_kv, head_dim = k.shape[1], k.shape[2]
+    k_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

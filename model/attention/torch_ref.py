@@ -1,0 +1,97 @@
+"""Plain-PyTorch paged attention: the CPU path and the reference every kernel is
+tested against.
+
+Sequences are split into two groups, each handled by one batched SDPA call with no
+Python loop per sequence: rows with a single new token (decodes) and rows with several
+(prefill chunks, with or without a cached prefix). Each group gathers its K/V through
+the block tables into a padded [B, max_context, n_kv_heads, head_dim] tensor and masks
+what lies past a sequence's length or after a query's own position.
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from model.attention.base import AttentionBackend, write_kv
+from model.batch import Batch
+
+
+@dataclass
+class _Group:
+    token_index: torch.Tensor  # [B, max_q] flat token index of each (row, query) slot
+    valid: torch.Tensor  # [B, max_q] bool, False for padding queries
+    block_tables: torch.Tensor  # [B, blocks needed by the longest row]
+    mask: torch.Tensor  # [B, 1, max_q, max_context] bool, True = may attend
+
+
+@dataclass
+class TorchRefPlan:
+    groups: list[_Group]
+
+
+class TorchRefBackend(AttentionBackend):
+    name = "torch_ref"
+
+    def plan(self, batch: Batch) -> TorchRefPlan:
+        decodes = [i for i, q in enumerate(batch.query_lens) if q == 1]
+        prefills = [i for i, q in enumerate(batch.query_lens) if q > 1]
+        groups = [_plan_group(batch, rows) for rows in (decodes, prefills) if rows]
+        return TorchRefPlan(groups=groups)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: Batch,
+        plan: TorchRefPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        out = torch.empty_like(q)
+        n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+        for g in plan.groups:  # at most two: decodes, prefills
+            rows, max_blocks = g.block_tables.shape
+            keys = k_cache[g.block_tables].view(rows, -1, n_kv, head_dim)
+            values = v_cache[g.block_tables].view(rows, -1, n_kv, head_dim)
+            queries = q[g.token_index]  # [B, max_q, n_heads, head_dim]
+            attn = F.scaled_dot_product_attention(
+                queries.transpose(1, 2),
+                keys.transpose(1, 2).to(q.dtype),
+                values.transpose(1, 2).to(q.dtype),
+                attn_mask=g.mask,
+                scale=scale,
+                enable_gqa=True,
+            ).transpose(1, 2)
+            out[g.token_index[g.valid]] = attn[g.valid]
+        return out
+
+
+def _plan_group(batch: Batch, rows: list[int]) -> _Group:
+    device = batch.input_ids.device
+    rows_t = torch.tensor(rows, dtype=torch.int64, device=device)
+    q_lens = torch.tensor([batch.query_lens[r] for r in rows], device=device)
+    ctx_lens = torch.tensor([batch.seq_lens[r] for r in rows], device=device)
+    max_q = max(batch.query_lens[r] for r in rows)
+    max_ctx = max(batch.seq_lens[r] for r in rows)
+    n_blocks = -(-max_ctx // batch.block_size)
+
+    cols = torch.arange(max_q, device=device)
+    valid = cols[None, :] < q_lens[:, None]
+    starts = batch.query_start_loc[rows_t]
+    token_index = torch.where(valid, starts[:, None] + cols[None, :], starts[:, None])
+
+    # A query at position p sees keys 0..p; padding queries see the whole context so that
+    # no softmax row is empty (their outputs are discarded).
+    q_pos = (ctx_lens - q_lens)[:, None] + cols[None, :]
+    keys = torch.arange(n_blocks * batch.block_size, device=device)
+    mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < ctx_lens[:, None, None])
+    return _Group(
+        token_index=token_index,
+        valid=valid,
+        block_tables=batch.block_tables[rows_t, :n_blocks],
+        mask=mask.unsqueeze(1),
+    )

@@ -1,0 +1,80 @@
+"""`Batch`: one engine step's work as flat tensors, the only thing the model receives
+from the scheduler.
+
+Sequences are concatenated: a prefill chunk contributes its new tokens, a decode
+contributes one. The model never learns which request a row belongs to; it sees
+positions, where to write K/V (slot mapping) and where to read it (block tables).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor  # [T] int64, all new tokens of all sequences
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    slot_mapping: torch.Tensor  # [T] int64, KV-cache slot each token's K/V is written to
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    query_start_loc: torch.Tensor  # [B + 1] int64, where each sequence's tokens start in T
+    seq_lens_t: torch.Tensor  # [B] int64, tokens in context after this step
+    logits_indices: torch.Tensor  # rows of T whose logits are returned
+    # Host copies: backends plan their kernels from these without a device sync.
+    query_lens: list[int]
+    seq_lens: list[int]
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        token_ids: list[list[int]],
+        num_computed: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        all_logits: bool = False,
+    ) -> Batch:
+        """token_ids[i]: the new tokens of sequence i; num_computed[i]: how many of its
+        tokens are already in the KV cache (the position of its first new token)."""
+        query_lens = [len(t) for t in token_ids]
+        seq_lens = [c + q for c, q in zip(num_computed, query_lens, strict=True)]
+        starts = [0, *accumulate(query_lens)]
+        max_blocks = max(len(b) for b in block_tables)
+        padded = [b + [0] * (max_blocks - len(b)) for b in block_tables]
+
+        flat = [t for seq in token_ids for t in seq]
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        seq_index = torch.repeat_interleave(torch.arange(len(token_ids)), query_lens_t)
+        start_loc = torch.tensor(starts, dtype=torch.int64)
+        offsets = torch.arange(len(flat), dtype=torch.int64) - start_loc[seq_index]
+        positions = torch.tensor(num_computed, dtype=torch.int64)[seq_index] + offsets
+        tables = torch.tensor(padded, dtype=torch.int64)
+        slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
+        if all_logits:
+            logits_indices = torch.arange(len(flat), dtype=torch.int64)
+        else:
+            logits_indices = start_loc[1:] - 1
+        return cls(
+            input_ids=torch.tensor(flat, dtype=torch.int64, device=device),
+            positions=positions.to(device),
+            slot_mapping=slots.to(device),
+            block_tables=tables.to(device),
+            query_start_loc=start_loc.to(device),
+            seq_lens_t=torch.tensor(seq_lens, dtype=torch.int64, device=device),
+            logits_indices=logits_indices.to(device),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            block_size=block_size,
+        )

@@ -1,0 +1,182 @@
+"""`ModelConfig`: the hyper-parameters of a Llama-family network, read from an HF
+`config.json` or from GGUF metadata.
+
+Owns the translation of every checkpoint format's names into one set of fields and the
+refusal of shapes we cannot run. Must never touch weights or tensors.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is readable but describes a network llamaserve does not run."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    max_position: int = 2048
+    tie_embeddings: bool = False
+    architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.n_heads % self.n_kv_heads:
+            raise UnsupportedModelError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def n_rep(self) -> int:
+        """Query heads per KV head (GQA group size)."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def num_parameters(self) -> int:
+        attn = self.dim * (self.q_size + 2 * self.kv_size) + self.q_size * self.dim
+        ffn = 3 * self.dim * self.ffn_dim
+        norms = 2 * self.dim
+        embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
+        return self.n_layers * (attn + ffn + norms) + self.dim + embed
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        return 2 * self.n_layers * self.kv_size * dtype_bytes
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        model_type = cfg.get("model_type", "llama")
+        if model_type not in ("llama", "mistral") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
+            raise UnsupportedModelError(
+                f"{source}: unsupported architecture (model_type={model_type!r}, "
+                f"attention_bias={cfg.get('attention_bias')}, mlp_bias={cfg.get('mlp_bias')}); "
+                "llamaserve runs Llama-family models without biases"
+            )
+        if cfg.get("hidden_act", "silu") != "silu":
+            raise UnsupportedModelError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r}")
+        n_heads = cfg["num_attention_heads"]
+        dim = cfg["hidden_size"]
+        # transformers 5 nests theta and scaling in `rope_parameters`; older files use
+        # `rope_theta` + `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        return cls(
+            dim=dim,
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or dim // n_heads,
+            ffn_dim=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=_rope_scaling(rope, source),
+            max_position=cfg.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def from_hf_dir(cls, path: str | Path) -> ModelConfig:
+        file = Path(path) / "config.json"
+        try:
+            cfg = json.loads(file.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise UnsupportedModelError(f"{file}: cannot read model config ({exc})") from None
+        try:
+            return cls.from_hf_dict(cfg, source=str(file))
+        except KeyError as exc:
+            raise UnsupportedModelError(f"{file}: missing field {exc}") from None
+
+    @classmethod
+    def from_gguf_metadata(
+        cls, md: dict[str, Any], tensor_names: set[str], source: str = "GGUF"
+    ) -> ModelConfig:
+        arch = md.get("general.architecture")
+        if arch != "llama":
+            raise UnsupportedModelError(
+                f"{source}: unsupported architecture {arch!r}; llamaserve runs 'llama' GGUF files"
+            )
+        try:
+            dim = md["llama.embedding_length"]
+            n_heads = md["llama.attention.head_count"]
+            head_dim = md.get("llama.attention.key_length") or dim // n_heads
+            rot_dims = md.get("llama.rope.dimension_count", head_dim)
+            if rot_dims != head_dim:
+                raise UnsupportedModelError(
+                    f"{source}: partial rotary embeddings ({rot_dims} of {head_dim} dims) "
+                    "are not supported"
+                )
+            scaling: dict[str, Any] = {}
+            if md.get("llama.rope.scaling.type") == "linear":
+                scaling = {"rope_type": "linear", "factor": md["llama.rope.scaling.factor"]}
+            elif md.get("llama.rope.scaling.type") not in (None, "none"):
+                raise UnsupportedModelError(
+                    f"{source}: unsupported rope scaling {md['llama.rope.scaling.type']!r}"
+                )
+            vocab = md.get("llama.vocab_size") or len(md["tokenizer.ggml.tokens"])
+            return cls(
+                dim=dim,
+                n_layers=md["llama.block_count"],
+                n_heads=n_heads,
+                n_kv_heads=md.get("llama.attention.head_count_kv") or n_heads,
+                head_dim=head_dim,
+                ffn_dim=md["llama.feed_forward_length"],
+                vocab_size=vocab,
+                norm_eps=md.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
+                rope_theta=float(md.get("llama.rope.freq_base", 10000.0)),
+                rope_scaling=_rope_scaling(scaling, source),
+                max_position=md.get("llama.context_length", 2048),
+                tie_embeddings="output.weight" not in tensor_names,
+            )
+        except KeyError as exc:
+            raise UnsupportedModelError(f"{source}: missing GGUF metadata {exc}") from None
+
+
+def _rope_scaling(rope: dict[str, Any], source: str) -> RopeScaling:
+    rope_type = rope.get("rope_type") or rope.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise UnsupportedModelError(
+            f"{source}: unsupported rope scaling type {rope_type!r} "
+            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        return RopeScaling()
+    return RopeScaling(
+        rope_type=rope_type,
+        factor=float(rope.get("factor", 1.0)),
+        low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
+    )

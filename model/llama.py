@@ -1,0 +1,151 @@
+"""The Llama network: embeddings, decoder layers (RMSNorm, GQA attention with RoPE,
+SwiGLU FFN), final norm and output projection, over one flat `Batch` and a paged cache.
+
+A pure function of tensors: it knows nothing of requests, sampling or block allocation.
+Q/K/V and gate/up are fused into one matmul each (fewer, larger GEMMs); `load_weights`
+takes HF-named tensors in the HF (rotate-halves) RoPE layout and fills the fused ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention.base import AttentionBackend
+from model.attention.torch_ref import TorchRefBackend
+from model.batch import Batch
+from model.config import ModelConfig
+from model.paged_cache import PagedKVCache
+from model.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the model dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.qkv_proj = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=False)
+        self.o_proj = nn.Linear(config.q_size, config.dim, bias=False)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: Batch,
+        rope: RotaryEmbedding,
+        attention: AttentionBackend,
+        plan: object,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        c = self.config
+        qkv = self.qkv_proj(self.input_layernorm(h))
+        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+        q = q.view(-1, c.n_heads, c.head_dim)
+        k = k.view(-1, c.n_kv_heads, c.head_dim)
+        v = v.view(-1, c.n_kv_heads, c.head_dim)
+        q, k = rope(batch.positions, q, k)
+        attn = attention.forward(
+            q, k, v, k_cache, v_cache, batch, plan, scale=c.head_dim**-0.5
+        )
+        h = h + self.o_proj(attn.reshape(-1, c.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+class Llama(nn.Module):
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_position: int | None = None,
+        attention: AttentionBackend | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        super().__init__()
+        self.config = config
+        self.attention = attention or TorchRefBackend()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.dim, config.norm_eps)
+        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.rope = RotaryEmbedding(config, max_position or config.max_position, device)
+
+    @torch.inference_mode()
+    def forward(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32."""
+        plan = self.attention.plan(batch)
+        h = self.embed_tokens(batch.input_ids)
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = kv_cache.layer(i)
+            h = layer(h, batch, self.rope, self.attention, plan, k_cache, v_cache)
+        h = self.norm(h[batch.logits_indices])
+        return self.lm_head(h).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies HF-named tensors into the (fused) parameters; every parameter must be
+        filled exactly once, or loading fails naming what is missing."""
+        c = self.config
+        # HF name suffix -> (our parameter suffix, row offset into the fused weight)
+        fused = {
+            "self_attn.q_proj": ("qkv_proj", 0),
+            "self_attn.k_proj": ("qkv_proj", c.q_size),
+            "self_attn.v_proj": ("qkv_proj", c.q_size + c.kv_size),
+            "self_attn.o_proj": ("o_proj", 0),
+            "mlp.gate_proj": ("gate_up_proj", 0),
+            "mlp.up_proj": ("gate_up_proj", c.ffn_dim),
+            "mlp.down_proj": ("down_proj", 0),
+        }
+        params = dict(self.named_parameters())
+        expected = {f"{n}@0" for n in params if "proj" not in n}
+        for i in range(c.n_layers):
+            expected |= {f"layers.{i}.{ours}.weight@{row}" for ours, row in fused.values()}
+        if c.tie_embeddings:
+            expected.discard("lm_head.weight@0")
+        seen: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if name == "lm_head.weight" and c.tie_embeddings:
+                continue  # some tied checkpoints still store a copy
+            row = 0
+            for hf_part, (ours, offset) in fused.items():
+                if f".{hf_part}." in name:
+                    name, row = name.replace(hf_part, ours), offset
+                    break
+            key = f"{name}@{row}"
+            if key not in expected:
+                raise ValueError(f"unexpected weight {hf_name} with shape {tuple(tensor.shape)}")
+            target = params[name]
+            rows = tensor.shape[0]
+            dest = target[row : row + rows] if target.dim() == 2 else target
+            if dest.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {hf_name} has shape {tuple(tensor.shape)}, "
+                    f"expected {tuple(dest.shape)}"
+                )
+            dest.copy_(tensor)
+            seen.add(key)
+        missing = expected - seen
+        if missing:
+            names = sorted(m.split("@")[0] for m in missing)
+            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {names[:3]}")

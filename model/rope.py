@@ -1,0 +1,57 @@
+"""Rotary position embeddings with a precomputed cos/sin table.
+
+Internally llamaserve uses the HF layout: each head rotates its two halves
+(x[i], x[i + d/2]). Checkpoints stored with interleaved pairs (GGUF, Meta) are permuted
+into this layout when their Q/K weights are loaded, never here.
+"""
+
+import math
+
+import torch
+
+from model.config import ModelConfig, RopeScaling
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    if scaling.rope_type != "llama3":
+        return inv_freq
+    # Llama 3.1: long wavelengths are stretched by `factor`, short ones kept, and the band
+    # between them interpolated smoothly, so short-range attention is unchanged.
+    low_freq_wavelen = scaling.original_max_position / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    def __init__(self, config: ModelConfig, max_position: int, device: torch.device | str) -> None:
+        super().__init__()
+        inv_freq = inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        # fp32 angles whatever the model dtype: positions past a few thousand lose whole
+        # radians in bf16.
+        angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", angles.cos().to(device), persistent=False)
+        self.register_buffer("sin", angles.sin().to(device), persistent=False)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q: [T, n_heads, head_dim], k: [T, n_kv_heads, head_dim], positions: [T]."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x.dtype)
