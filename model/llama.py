@@ -86,9 +86,29 @@ class Llama(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
-        if config.tie_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+        self.tie_weights()
         self.rope = RotaryEmbedding(config, max_position or config.max_position, device)
+
+    def tie_weights(self) -> None:
+        if self.config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    @classmethod
+    def empty(
+        cls,
+        config: ModelConfig,
+        max_position: int | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Llama:
+        """A model with uninitialised weights: random init of a model about to be loaded
+        costs seconds for nothing."""
+        with torch.device("meta"):
+            model = cls(config, max_position, device="meta")
+        model = model.to_empty(device=device).to(dtype)
+        model.tie_weights()  # materialising gives the tied weight two separate storages
+        model.rope = RotaryEmbedding(config, max_position or config.max_position, device)
+        return model
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:

@@ -18,3 +18,33 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 @pytest.fixture(scope="session")
 def device(request: pytest.FixtureRequest) -> str:
     return request.config.getoption("--device")
+
+
+@pytest.fixture(scope="session")
+def hf_default():
+    """transformers' own GGUF loader on the default model, with the digit split restored
+    to its tokenizer (FACTS.md, trap 2): the independent reference."""
+    from tokenizers import pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from model.default_model import default_model_path
+
+    path = default_model_path()
+    tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ]
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    return model, tok
+
+
+@pytest.fixture(scope="session")
+def ours_default(device):
+    from model.loader import load_model
+
+    return load_model(device=device, progress=False)

@@ -35,8 +35,7 @@ VARIANTS = {
 
 def load_ours(path: Path, device: str) -> Llama:
     config = ModelConfig.from_hf_dir(path)
-    with torch.device(device):
-        model = Llama(config, device=device)
+    model = Llama.empty(config, device=device)
     model.load_weights((n, t.to(device)) for n, t in iter_safetensors(safetensors_files(path), torch.float32))
     return model.eval()
 
