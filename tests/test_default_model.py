@@ -67,6 +67,6 @@ def test_greedy_matches_transformers(hf_default, ours_default, prompt_ids):
                 eos_token_id=None,
                 pad_token_id=0,
             )
-        want = out[0, len(ids):].tolist()
+        want = out[0, len(ids) :].tolist()
         got = list(greedy_tokens(ours_default.model, ids, 32))
         assert got == want, (ids, got, want)

@@ -36,7 +36,9 @@ VARIANTS = {
 def load_ours(path: Path, device: str) -> Llama:
     config = ModelConfig.from_hf_dir(path)
     model = Llama.empty(config, device=device)
-    model.load_weights((n, t.to(device)) for n, t in iter_safetensors(safetensors_files(path), torch.float32))
+    model.load_weights(
+        (n, t.to(device)) for n, t in iter_safetensors(safetensors_files(path), torch.float32)
+    )
     return model.eval()
 
 
@@ -103,7 +105,9 @@ def test_prefix_then_rest_and_decode_agree(pair, device):
     assert (torch.cat([first, rest]).cpu() - whole).abs().max().item() < 1e-4
 
     cache = cache_for(ours, device)
-    steps = [ours(Batch.build([[t]], [i], [table], BLOCK, device), cache) for i, t in enumerate(ids)]
+    steps = [
+        ours(Batch.build([[t]], [i], [table], BLOCK, device), cache) for i, t in enumerate(ids)
+    ]
     assert (torch.cat(steps).cpu() - whole).abs().max().item() < 1e-4
 
 
@@ -113,14 +117,26 @@ def test_flat_batch_equals_each_alone(pair, device):
     blocks = Blocks()
     tables = [blocks.take(len(s) + 8) for s in seqs]
     alone = []
-    for s, t in zip(seqs, tables):
+    for s, t in zip(seqs, tables, strict=False):
         alone.append(ours(Batch.build([s], [0], [t], BLOCK, device), cache_for(ours, device)))
     # One step mixing: whole prefills, prefills over a cached prefix, and decodes.
     cache = cache_for(ours, device)
     cached = [0, 2, 5, 15, 28, 0]
     warm = [i for i, c in enumerate(cached) if c]
-    ours(Batch.build([seqs[i][: cached[i]] for i in warm], [0] * len(warm), [tables[i] for i in warm], BLOCK, device), cache)
+    ours(
+        Batch.build(
+            [seqs[i][: cached[i]] for i in warm],
+            [0] * len(warm),
+            [tables[i] for i in warm],
+            BLOCK,
+            device,
+        ),
+        cache,
+    )
     mixed = ours(
-        Batch.build([s[c:] for s, c in zip(seqs, cached)], cached, tables, BLOCK, device), cache
+        Batch.build(
+            [s[c:] for s, c in zip(seqs, cached, strict=False)], cached, tables, BLOCK, device
+        ),
+        cache,
     )
     assert (mixed.cpu() - torch.cat(alone).cpu()).abs().max().item() < 1e-4

@@ -88,7 +88,9 @@ def _plan_group(batch: Batch, rows: list[int]) -> _Group:
     # no softmax row is empty (their outputs are discarded).
     q_pos = (ctx_lens - q_lens)[:, None] + cols[None, :]
     keys = torch.arange(n_blocks * batch.block_size, device=device)
-    mask = (keys[None, None, :] <= q_pos[:, :, None]) & (keys[None, None, :] < ctx_lens[:, None, None])
+    mask = (keys[None, None, :] <= q_pos[:, :, None]) & (
+        keys[None, None, :] < ctx_lens[:, None, None]
+    )
     return _Group(
         token_index=token_index,
         valid=valid,

@@ -1,0 +1,81 @@
+"""Streams the weights of a llama GGUF file as HF-named tensors in the HF RoPE layout,
+dequantised to the compute dtype.
+
+llama.cpp's converter reorders the rows of attn_q/attn_k so that it can rotate adjacent
+pairs (2i, 2i+1); we rotate halves (i, i + d/2), so those rows are put back here. K must
+be un-permuted with n_kv_heads, not n_heads: with GQA the two differ, and the mistake
+gives no error, only wrong text.
+"""
+
+import re
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+from model.config import ModelConfig
+from model.weights.dequant import UnsupportedQuantType, dequantize
+from model.weights.gguf_file import GGUFFile, ModelFileError
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+# Tensors llama.cpp may store that the network does not use.
+_IGNORED = {"rope_freqs.weight"}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    m = _LAYER_RE.fullmatch(gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+    return None
+
+
+def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows h*d + 2i + j (interleaved pairs) -> rows h*d + j*d/2 + i (halves)."""
+    rows, cols = weight.shape
+    head_dim = rows // n_heads
+    return weight.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def iter_gguf_weights(
+    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    for tensor in gguf.reader.tensors:
+        if tensor.name in _IGNORED:
+            continue
+        name = hf_name(tensor.name)
+        if name is None:
+            raise ModelFileError(f"{gguf.path}: unexpected tensor {tensor.name!r}")
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        # A copy: the reader's arrays are read-only views of the memory-mapped file.
+        raw = torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8).reshape(-1))
+        try:
+            weight = dequantize(raw, tensor.tensor_type, shape, dtype)
+        except UnsupportedQuantType as exc:
+            raise ModelFileError(f"{gguf.path}: tensor {tensor.name}: {exc}") from None
+        if tensor.name.endswith("attn_q.weight"):
+            weight = interleaved_to_halves(weight, config.n_heads)
+        elif tensor.name.endswith("attn_k.weight"):
+            weight = interleaved_to_halves(weight, config.n_kv_heads)
+        yield name, weight
+
+
+def count_gguf_tensors(gguf: GGUFFile) -> int:
+    return sum(1 for t in gguf.reader.tensors if t.name not in _IGNORED)

@@ -1,0 +1,154 @@
+"""`AsyncEngine`: runs `Engine.step()` on one background thread and hands each request's
+outputs to its own asyncio queue.
+
+The engine thread is the only one that touches the engine. Requests and aborts from the
+event loop go through a locked inbox that the thread drains before each step; outputs
+come back with `call_soon_threadsafe`. The thread sleeps while there is no work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import AsyncIterator, Callable
+
+from scheduler.engine import Engine
+from scheduler.request import RequestOutput, SamplingParams
+from scheduler.stats import StepStats
+
+logger = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, on_step: Callable[[StepStats], None] | None = None) -> None:
+        self.engine = engine
+        self.on_step = on_step
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._inbox: list[tuple[str, list[int], SamplingParams, asyncio.Future]] = []
+        self._aborts: list[str] = []
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="llamaserve-engine", daemon=True)
+        self.alive = False
+
+    def start(self) -> None:
+        self.alive = True
+        self._thread.start()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._queues)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Yields the request's outputs until every sequence finished. Raises the
+        engine's admission errors (InvalidParams, QueueFull) before yielding anything.
+        Leaving early (a client that disconnected) aborts the request."""
+        if not self.alive:
+            raise EngineDead("the engine is not running")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        admitted: asyncio.Future[None] = loop.create_future()
+        with self._lock:
+            self._queues[request_id] = (loop, queue)
+            self._inbox.append((request_id, prompt_ids, params, admitted))
+        self._wake.set()
+        done = False
+        try:
+            await admitted  # raises the engine's refusal (InvalidParams, QueueFull)
+            remaining = params.n
+            while remaining:
+                out = await queue.get()
+                if out.error is not None and not self.alive:
+                    raise EngineDead(out.error)
+                if out.finished:
+                    remaining -= 1
+                yield out
+            done = True
+        finally:
+            with self._lock:
+                self._queues.pop(request_id, None)
+            if not done:  # also after a refusal, where the abort finds nothing
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        with self._lock:
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    def _drain_inbox(self) -> None:
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+            aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            self.engine.abort(request_id)
+        for request_id, prompt_ids, params, admitted in inbox:
+            loop = admitted.get_loop()
+            try:
+                self.engine.add_request(request_id, prompt_ids, params)
+            except Exception as exc:  # admission errors go back to the caller
+                loop.call_soon_threadsafe(_resolve, admitted, exc)
+            else:
+                loop.call_soon_threadsafe(_resolve, admitted, None)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._lock:
+            targets = [(self._queues.get(o.request_id), o) for o in outputs]
+        for target, out in targets:
+            if target is not None:
+                loop, queue = target
+                loop.call_soon_threadsafe(queue.put_nowait, out)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._drain_inbox()
+                if not self.engine.has_work():
+                    self._wake.wait(timeout=1.0)
+                    self._wake.clear()
+                    continue
+                outputs, stats = self.engine.step()
+                self._deliver(outputs)
+                if self.on_step is not None:
+                    self.on_step(stats)
+        except Exception:
+            logger.exception("engine thread died")
+        finally:
+            self.alive = False
+            self._fail_all()
+
+    def _fail_all(self) -> None:
+        with self._lock:
+            pending = list(self._queues.items())
+        for request_id, (loop, queue) in pending:
+            out = RequestOutput(
+                request_id, [], "", finished=True, finish_reason="error", error="the engine stopped"
+            )
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+        with self._lock:
+            inbox, self._inbox = self._inbox, []
+        for _, _, _, admitted in inbox:
+            admitted.get_loop().call_soon_threadsafe(
+                _resolve, admitted, EngineDead("the engine stopped")
+            )
+
+
+def _resolve(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():  # the caller went away meanwhile
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

@@ -1,0 +1,161 @@
+"""The values that cross the scheduler's boundary: `SamplingParams` (validated once, at
+the door), `Request` (a request's whole state inside the engine) and `RequestOutput`
+(what the engine hands back after each step).
+
+Nothing here runs a model or touches KV blocks.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+class InvalidParams(ValueError):
+    """A sampling parameter a client sent is out of range; `param` names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # None: none; 0: the sampled token's; N: also top N
+    n: int = 1
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def check(ok: bool, param: str, message: str) -> None:
+            if not ok:
+                raise InvalidParams(param, message)
+
+        check(
+            self.max_tokens >= 1,
+            "max_tokens",
+            f"max_tokens must be at least 1, got {self.max_tokens}",
+        )
+        check(
+            0.0 <= self.temperature <= 2.0,
+            "temperature",
+            f"temperature must be in [0, 2], got {self.temperature}",
+        )
+        check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")
+        check(
+            self.top_k >= -1,
+            "top_k",
+            f"top_k must be -1 (off), 0 (off) or positive, got {self.top_k}",
+        )
+        check(0.0 <= self.min_p <= 1.0, "min_p", f"min_p must be in [0, 1], got {self.min_p}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(-2.0 <= value <= 2.0, name, f"{name} must be in [-2, 2], got {value}")
+        check(
+            0.0 < self.repetition_penalty <= 2.0,
+            "repetition_penalty",
+            f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
+        )
+        check(self.n >= 1, "n", f"n must be at least 1, got {self.n}")
+        check(self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}")
+        check(
+            self.min_tokens <= self.max_tokens,
+            "min_tokens",
+            f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
+        )
+        check(
+            self.logprobs is None or 0 <= self.logprobs <= 20,
+            "logprobs",
+            f"logprobs must be between 0 and 20, got {self.logprobs}",
+        )
+        check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        if self.logit_bias:
+            for token, bias in self.logit_bias.items():
+                check(
+                    -100.0 <= bias <= 100.0,
+                    "logit_bias",
+                    f"logit_bias for token {token} must be in [-100, 100], got {bias}",
+                )
+        if self.top_k == -1:
+            self.top_k = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    finish_reason: str | None = None
+    generator: torch.Generator | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class RequestOutput:
+    """One step's news about one request: the tokens and text added since the last one."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    index: int = 0  # which of the request's n sequences
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None

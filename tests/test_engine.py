@@ -1,0 +1,219 @@
+"""The engine with the default model: batch invariance of greedy output under every
+scheduling condition (crowded batch, preemption, chunked prefill, prefix caching),
+against the model alone and against `transformers`; stops, n > 1, aborts."""
+
+import random
+
+import pytest
+import torch
+
+from model.greedy import greedy_tokens
+from scheduler.config import EngineConfig
+from scheduler.engine import create_engine
+from scheduler.request import SamplingParams
+from tests.engine_driver import run_engine
+
+MAX_TOKENS = 20
+SHARED = (
+    "You are a meticulous assistant. Answer every question with care, cite the reasons for "
+    "each step, and keep the answer short. Question: "
+)
+TEXTS = [
+    "Hi",
+    "The capital of France is",
+    "def add(a, b):\n    return",
+    "我们今天去",
+    "List three colours:\n1.",
+    "Once upon a time, in a land far away, there lived a dragon who",
+    SHARED + "Why is the sky blue?",
+    SHARED + "What is 17 times 3?",
+    SHARED + "Name a prime number larger than 100.",
+    SHARED + "Who wrote Hamlet?",
+    "import numpy as np\nx = np.arange(10)\nprint(",
+    "The quick brown fox jumps over the lazy dog. " * 6,
+    "Emoji test: 🤖🍕🎉 means",
+    "In 1969, the first humans",
+    "Water boils at",
+    "A haiku about autumn:\n",
+]
+
+
+@pytest.fixture(scope="module")
+def prompts(ours_default):
+    tok = ours_default.tokenizer
+    return [tok.encode(t) for t in TEXTS]
+
+
+@pytest.fixture(scope="module")
+def alone(ours_default, prompts):
+    """Each prompt generated alone, on the model with a private cache: no scheduler."""
+    return [
+        list(greedy_tokens(ours_default.model, ids, MAX_TOKENS, ours_default.tokenizer.stop_ids))
+        for ids in prompts
+    ]
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0)
+
+
+def engine_for(loaded, **kwargs):
+    return create_engine(loaded.model, loaded.tokenizer, EngineConfig(**kwargs))
+
+
+def strip_stop(tokens: list[int], stop_ids) -> list[int]:
+    return tokens[:-1] if tokens and tokens[-1] in stop_ids else tokens
+
+
+SCENARIOS = {
+    "crowded": dict(),
+    "no_prefix_cache": dict(enable_prefix_caching=False),
+    "chunked_prefill": dict(max_num_batched_tokens=7),
+    "preemption": dict(kv_cache_memory=20 * 737280),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_batch_invariance(scenario, ours_default, prompts, alone):
+    engine = engine_for(ours_default, **SCENARIOS[scenario])
+    requests = {f"r{i}": (ids, greedy()) for i, ids in enumerate(prompts)}
+    results, preemptions = run_engine(engine, requests)
+    if scenario == "preemption":
+        assert preemptions > 0
+    for i in range(len(prompts)):
+        got = results[(f"r{i}", 0)].token_ids
+        assert got == alone[i], (scenario, TEXTS[i])
+    assert engine.kv.num_used_blocks == 0
+    if scenario == "crowded":
+        assert engine.kv.prefix_cache_hits > 0  # the shared prefix was computed once
+
+
+@pytest.mark.slow
+def test_engine_matches_transformers(ours_default, hf_default, prompts):
+    hf, _ = hf_default
+    engine = engine_for(ours_default)
+    picks = [1, 2, 6, 12]
+    results, _ = run_engine(engine, {f"r{i}": (prompts[i], greedy()) for i in picks})
+    for i in picks:
+        ids = prompts[i]
+        with torch.no_grad():
+            out = hf.generate(
+                torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=2,
+                pad_token_id=0,
+            )
+        assert results[(f"r{i}", 0)].token_ids == out[0, len(ids) :].tolist()
+
+
+def test_seeded_sampling_is_batch_invariant(ours_default, prompts):
+    params = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=1234)
+    alone, _ = run_engine(engine_for(ours_default), {"a": (prompts[1], params)})
+    crowd = {
+        f"x{i}": (ids, SamplingParams(max_tokens=12, temperature=0.8))
+        for i, ids in enumerate(prompts[:6])
+    }
+    crowd["a"] = (prompts[1], params)
+    crowd["b"] = (prompts[1], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, seed=99))
+    batched, _ = run_engine(engine_for(ours_default), crowd)
+    assert batched[("a", 0)].token_ids == alone[("a", 0)].token_ids
+    assert batched[("b", 0)].token_ids != alone[("a", 0)].token_ids
+
+
+def test_top_k_one_equals_greedy(ours_default, prompts, alone):
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, top_k=1, seed=5)
+    results, _ = run_engine(engine_for(ours_default), {"k": (prompts[5], params)})
+    assert results[("k", 0)].token_ids == alone[5]
+
+
+def test_stop_string_spanning_tokens(ours_default, prompts, alone):
+    tok = ours_default.tokenizer
+    ids = alone[5]
+    pieces = [tok.decode([t]) for t in ids]
+    full = tok.decode(ids)
+    # A stop string made of the end of token 3 and the start of token 4.
+    boundary = len("".join(pieces[:4]))
+    assert len(pieces[3]) >= 2 and len(pieces[4]) >= 2
+    stop = full[boundary - 2 : boundary + 2]
+    expected = full[: full.find(stop)]
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, stop=[stop])
+    results, _ = run_engine(engine_for(ours_default), {"s": (prompts[5], params)})
+    got = results[("s", 0)]
+    assert got.finish_reason == "stop"
+    # What was streamed, concatenated, is exactly the text before the stop string: no
+    # piece of it leaked, not even the part held back while it could still match.
+    assert got.text == expected
+
+
+def test_max_tokens_and_eos(ours_default, prompts):
+    results, _ = run_engine(engine_for(ours_default), {"m": (prompts[0], greedy(3))})
+    assert results[("m", 0)].finish_reason == "length"
+    assert len(results[("m", 0)].token_ids) == 3
+
+
+def test_n_shares_prompt_blocks(ours_default):
+    tok = ours_default.tokenizer
+    ids = tok.encode("The history of the printing press is long and " * 5)
+    assert len(ids) > 32
+    engine = engine_for(ours_default)
+    params = SamplingParams(max_tokens=4, temperature=1.0, n=3, seed=7)
+    engine.add_request("n", ids, params)
+    full_blocks = len(ids) // engine.kv.block_size
+    seen_shared = False
+    while engine.has_work():
+        engine.step()
+        tables = [engine.kv.block_table(f"n#{i}") for i in range(3)]
+        if all(tables):
+            assert tables[0][:full_blocks] == tables[1][:full_blocks] == tables[2][:full_blocks]
+            # shared prompt blocks are counted once
+            assert engine.kv.num_used_blocks < 3 * len(tables[0])
+            seen_shared = True
+    assert seen_shared
+
+
+def test_n_returns_n_completions(ours_default, prompts):
+    params = SamplingParams(max_tokens=6, temperature=1.0, n=3, seed=11)
+    results, _ = run_engine(engine_for(ours_default), {"n": (prompts[6], params)})
+    assert sorted(k for k in results) == [("n", 0), ("n", 1), ("n", 2)]
+    assert all(len(results[("n", i)].token_ids) == 6 for i in range(3))
+
+
+def test_abort_frees_blocks(ours_default, prompts):
+    engine = engine_for(ours_default)
+    for i, ids in enumerate(prompts[:8]):
+        engine.add_request(f"r{i}", ids, greedy(50))
+    for _ in range(3):
+        engine.step()
+    assert engine.kv.num_used_blocks > 0
+    for i in range(8):
+        engine.abort(f"r{i}")
+    assert engine.kv.num_used_blocks == 0
+    assert not engine.has_work()
+
+
+def test_many_requests_with_random_aborts(ours_default):
+    rng = random.Random(0)
+    engine = engine_for(ours_default, max_num_seqs=32, kv_cache_memory=40 * 737280)
+    vocab_words = ["alpha", "beta", "gamma", "delta", "river", "stone", "cloud", "seven"]
+    pending = [f"q{i}" for i in range(200)]
+    live: set[str] = set()
+    while pending or engine.has_work():
+        for _ in range(rng.randint(0, 12)):
+            if pending:
+                rid = pending.pop()
+                text = " ".join(rng.choice(vocab_words) for _ in range(rng.randint(1, 30)))
+                engine.add_request(rid, engine.tokenizer.encode(text), greedy(rng.randint(1, 6)))
+                live.add(rid)
+        outputs, _ = engine.step()
+        for out in outputs:
+            if out.finished:
+                live.discard(out.request_id)
+        for rid in list(live):
+            if rng.random() < 0.05:
+                engine.abort(rid)
+                live.discard(rid)
+        engine.kv.check_invariants()
+    assert not live
+    assert engine.kv.num_used_blocks == 0
