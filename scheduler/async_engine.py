@@ -50,12 +50,11 @@ class AsyncEngine:
     def num_requests(self) -> int:
         return len(self._queues)
 
-    async def generate(
+    async def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Yields the request's outputs until every sequence finished. Raises the
-        engine's admission errors (InvalidParams, QueueFull) before yielding anything.
-        Leaving early (a client that disconnected) aborts the request."""
+    ) -> RequestStream:
+        """Queues a request and waits until the engine admitted it; raises the engine's
+        refusal (InvalidParams, QueueFull) so a server can answer before streaming."""
         if not self.alive:
             raise EngineDead("the engine is not running")
         loop = asyncio.get_running_loop()
@@ -65,23 +64,24 @@ class AsyncEngine:
             self._queues[request_id] = (loop, queue)
             self._inbox.append((request_id, prompt_ids, params, admitted))
         self._wake.set()
-        done = False
         try:
-            await admitted  # raises the engine's refusal (InvalidParams, QueueFull)
-            remaining = params.n
-            while remaining:
-                out = await queue.get()
-                if out.error is not None and not self.alive:
-                    raise EngineDead(out.error)
-                if out.finished:
-                    remaining -= 1
-                yield out
-            done = True
-        finally:
-            with self._lock:
-                self._queues.pop(request_id, None)
-            if not done:  # also after a refusal, where the abort finds nothing
-                self.abort(request_id)
+            await admitted
+        except BaseException:
+            self._release(request_id)
+            self.abort(request_id)  # cancelled while queued: the engine may have it
+            raise
+        return RequestStream(self, request_id, params.n, queue)
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        stream = await self.add_request(request_id, prompt_ids, params)
+        async for out in stream:
+            yield out
+
+    def _release(self, request_id: str) -> None:
+        with self._lock:
+            self._queues.pop(request_id, None)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -143,6 +143,41 @@ class AsyncEngine:
             admitted.get_loop().call_soon_threadsafe(
                 _resolve, admitted, EngineDead("the engine stopped")
             )
+
+
+class RequestStream:
+    """The outputs of one admitted request, until all its n sequences finished. Leaving
+    the iteration early (a client that went away) aborts the request."""
+
+    def __init__(
+        self, engine: AsyncEngine, request_id: str, n: int, queue: asyncio.Queue
+    ) -> None:
+        self._engine = engine
+        self.request_id = request_id
+        self._remaining = n
+        self._queue = queue
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        try:
+            while self._remaining:
+                out = await self._queue.get()
+                if out.error is not None and not self._engine.alive:
+                    raise EngineDead(out.error)
+                if out.finished:
+                    self._remaining -= 1
+                yield out
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stops listening; aborts the request if it has not finished."""
+        self._engine._release(self.request_id)
+        if self._remaining:
+            self._remaining = 0
+            self._engine.abort(self.request_id)
 
 
 def _resolve(future: asyncio.Future, error: BaseException | None) -> None:

@@ -1,5 +1,5 @@
-"""`llamaserve` command line: `generate` (a greedy demo straight on the model) and,
-when the HTTP server lands, `serve`.
+"""`llamaserve` command line: `serve` (the OpenAI-compatible HTTP server) and `generate`
+(a greedy demo straight on the model).
 
 Flags are named as vLLM names them where the concept is the same. Errors a user can
 cause (a bad model path, an unsupported file) print one sentence and exit 2.
@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 import torch
+
+from scheduler.kv_cache import parse_memory_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -39,6 +42,84 @@ def build_parser() -> argparse.ArgumentParser:
         "--chat", action="store_true", help="wrap the prompt as a user turn in the chat template"
     )
     _add_model_flags(gen)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument(
+        "model_path",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="GGUF file or HF directory (default: the bundled model)",
+    )
+    _add_model_flags(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    serve.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        help="model name(s) clients use; the first is reported (default: the model's)",
+    )
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("LLAMASERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' (default $LLAMASERVE_API_KEY)",
+    )
+    serve.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length: prompt plus output tokens (default: the model's)",
+    )
+    serve.add_argument(
+        "--max-num-seqs", type=int, default=64, help="most sequences in one step (default 64)"
+    )
+    serve.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=2048,
+        help="most tokens in one step; longer prompts are prefilled in chunks",
+    )
+    serve.add_argument(
+        "--block-size", type=int, default=16, help="tokens per KV block (default 16)"
+    )
+    serve.add_argument(
+        "--kv-cache-memory",
+        type=parse_memory_size,
+        default=None,
+        help="KV-cache budget, e.g. 512MiB or 4GiB (default: 2GiB on CPU, "
+        "--gpu-memory-utilization on CUDA)",
+    )
+    serve.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="share of GPU memory for weights and KV cache (default 0.9)",
+    )
+    serve.add_argument(
+        "--max-waiting",
+        type=int,
+        default=1024,
+        help="queued requests beyond which new ones get 503 (default 1024)",
+    )
+    serve.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn automatic prefix caching off"
+    )
+    serve.add_argument(
+        "--allowed-origins", nargs="*", default=[], help="CORS origins to allow (default: CORS off)"
+    )
+    serve.add_argument(
+        "--max-request-bytes",
+        type=parse_memory_size,
+        default=8 * 2**20,
+        help="largest accepted request body (default 8MiB)",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on SIGTERM (default 10)",
+    )
     return parser
 
 
@@ -67,6 +148,37 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    from scheduler.config import EngineConfig
+    from server.launch import ServeConfig, build_server, uvicorn_server
+
+    config = ServeConfig(
+        model=args.model_path or args.model,
+        host=args.host,
+        port=args.port,
+        served_model_name=args.served_model_name,
+        api_key=args.api_key,
+        device=args.device,
+        dtype=DTYPES[args.dtype],
+        engine=EngineConfig(
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_waiting=args.max_waiting,
+            block_size=args.block_size,
+            kv_cache_memory=args.kv_cache_memory,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        allowed_origins=args.allowed_origins,
+        max_request_bytes=args.max_request_bytes,
+        shutdown_grace_s=args.shutdown_grace,
+    )
+    app, _ = build_server(config)
+    uvicorn_server(app, config).run()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from model.loader import ModelFileError, UnsupportedModelError
 
@@ -77,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return generate(args)
+        if args.command == "serve":
+            return serve(args)
     except (ModelFileError, UnsupportedModelError) as exc:
         print(f"llamaserve: {exc}", file=sys.stderr)
         return 2

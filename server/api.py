@@ -1,0 +1,107 @@
+"""The FastAPI application: routes of the OpenAI-compatible API plus health, tokenizer
+and metrics endpoints. Handlers translate between the wire and the engine; they never
+touch KV blocks or model tensors."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from server.chat import create_chat_completion, render_chat
+from server.completions import create_completion
+from server.errors import APIError, install_error_handlers
+from server.middleware import BodyLimit, RequestContext
+from server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
+from server.sampling import check_token_ids
+from server.state import ServerState
+
+
+def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
+    app = FastAPI(title="llamaserve", version="0.1.0")
+    app.state.llamaserve = state
+    install_error_handlers(app)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
+    app.add_middleware(RequestContext)
+
+    def authorized(request: Request) -> None:
+        if state.api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            token.strip().encode(), state.api_key.encode()
+        ):
+            raise APIError(401, "invalid or missing API key", code="invalid_api_key")
+
+    def check_model(model: str | None) -> None:
+        if not state.serves(model):
+            raise APIError(
+                404, f"the model `{model}` does not exist", "model", code="model_not_found"
+            )
+
+    guarded = [Depends(authorized)]
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(req: CompletionRequest, raw: Request) -> Any:
+        check_model(req.model)
+        return await create_completion(req, raw, state)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
+        check_model(req.model)
+        return await create_chat_completion(req, raw, state)
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models() -> ModelList:
+        names = [state.model_name, *state.extra_model_names]
+        return ModelList(data=[ModelCard(id=n, max_model_len=state.max_model_len) for n in names])
+
+    @app.get("/health")
+    async def health() -> Response:
+        if state.engine.alive:
+            return Response(status_code=200)
+        return JSONResponse({"error": {"message": "engine is not running"}}, status_code=503)
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(req: TokenizeRequest) -> dict[str, Any]:
+        check_model(req.model)
+        if (req.prompt is None) == (req.messages is None):
+            raise APIError(400, "give exactly one of prompt and messages", "prompt")
+        if req.messages is not None:
+            ids = render_chat(req.messages, state, req.add_generation_prompt)
+        else:
+            ids = state.tokenizer.encode(
+                req.prompt or "", add_bos=None if req.add_special_tokens else False
+            )
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(req: DetokenizeRequest) -> dict[str, Any]:
+        check_model(req.model)
+        check_token_ids(req.tokens, state, "tokens")
+        return {"prompt": state.tokenizer.decode(req.tokens)}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

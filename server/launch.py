@@ -1,0 +1,89 @@
+"""Builds a ready server from `ServeConfig`: load the model, size the KV cache, start the
+engine thread, wire the app; and runs it under uvicorn with a graceful shutdown."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import torch
+import uvicorn
+from fastapi import FastAPI
+
+from model.loader import LoadedModel, load_model
+from scheduler.async_engine import AsyncEngine
+from scheduler.config import EngineConfig
+from scheduler.engine import create_engine
+from server.api import build_app
+from server.state import ServerState
+
+logger = logging.getLogger("llamaserve.server")
+
+
+@dataclass
+class ServeConfig:
+    model: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: list[str] = field(default_factory=list)
+    api_key: str | None = None
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    allowed_origins: list[str] = field(default_factory=list)
+    max_request_bytes: int = 8 * 2**20
+    shutdown_grace_s: float = 10.0
+
+
+def build_server(
+    config: ServeConfig, loaded: LoadedModel | None = None
+) -> tuple[FastAPI, ServerState]:
+    if loaded is None:
+        loaded = load_model(
+            config.model,
+            device=config.device,
+            dtype=config.dtype,
+            max_position=config.engine.max_model_len,
+        )
+    engine = create_engine(loaded.model, loaded.tokenizer, config.engine)
+    async_engine = AsyncEngine(engine)
+    names = config.served_model_name or [loaded.name]
+    state = ServerState(
+        engine=async_engine,
+        tokenizer=loaded.tokenizer,
+        chat_template=loaded.chat_template,
+        model_name=names[0],
+        extra_model_names=names[1:],
+        max_model_len=engine.scheduler.config.max_model_len,
+        vocab_size=loaded.config.vocab_size,
+        api_key=config.api_key,
+        max_request_bytes=config.max_request_bytes,
+    )
+    app = build_app(state, config.allowed_origins)
+    url = f"http://{config.host}:{config.port}/v1"
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        logger.info("llamaserve ready: model %s at %s", state.model_name, url)
+        yield
+        async_engine.shutdown()
+        logger.info("llamaserve stopped")
+
+    app.router.lifespan_context = lifespan
+    return app, state
+
+
+def uvicorn_server(app: FastAPI, config: ServeConfig) -> uvicorn.Server:
+    return uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_config=None,  # our logging setup; uvicorn's access log is replaced by ours
+            access_log=False,
+            timeout_graceful_shutdown=int(config.shutdown_grace_s),
+        )
+    )

@@ -1,0 +1,90 @@
+"""From an OpenAI request to engine inputs: prompt token ids checked against the
+vocabulary and the context length, and `SamplingParams` with every out-of-range field
+answered as a 400 that names it."""
+
+from __future__ import annotations
+
+from scheduler.request import InvalidParams, SamplingParams
+from server.errors import APIError
+from server.protocol import MAX_STOP_STRINGS, SamplingFields
+from server.state import ServerState
+
+
+def check_token_ids(ids: list[int], state: ServerState, param: str) -> None:
+    bad = [t for t in ids if not 0 <= t < state.vocab_size]
+    if bad:
+        raise APIError(
+            400,
+            f"{param}: token id {bad[0]} is outside the vocabulary [0, {state.vocab_size})",
+            param,
+        )
+
+
+def resolve_max_tokens(
+    requested: int | None, num_prompt: int, state: ServerState, param: str
+) -> int:
+    """None means 'up to the context length', as vLLM does."""
+    limit = state.max_model_len
+    if num_prompt >= limit:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {limit} tokens, but the prompt has "
+            f"{num_prompt} tokens",
+            "messages" if param == "max_completion_tokens" else "prompt",
+        )
+    if requested is None:
+        return limit - num_prompt
+    if requested < 1:
+        raise APIError(400, f"{param} must be at least 1, got {requested}", param)
+    if num_prompt + requested > limit:
+        raise APIError(
+            400,
+            f"this model's maximum context length is {limit} tokens, but {num_prompt} prompt "
+            f"tokens and {param}={requested} make {num_prompt + requested}",
+            param,
+        )
+    return requested
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, state: ServerState
+) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
+    logit_bias: dict[int, float] | None = None
+    if req.logit_bias:
+        logit_bias = {}
+        for key, value in req.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(
+                    400, f"logit_bias: key {key!r} is not a token id", "logit_bias"
+                ) from None
+            check_token_ids([token], state, "logit_bias")
+            logit_bias[token] = value
+    stop_ids = list(req.stop_token_ids or [])
+    check_token_ids(stop_ids, state, "stop_token_ids")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=req.top_k or 0,
+            min_p=req.min_p or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=logit_bias,
+            seed=req.seed,
+            stop=stop,
+            stop_token_ids=stop_ids,
+            ignore_eos=req.ignore_eos,
+            min_tokens=req.min_tokens,
+            logprobs=logprobs,
+            n=req.n,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except InvalidParams as exc:
+        raise APIError(400, str(exc), exc.param) from None

@@ -1,0 +1,27 @@
+"""`ServerState`: what every route handler needs, built once at start-up and stored on
+the app. Handlers read it; only the engine thread changes engine state."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from model.chat_template import ChatTemplate
+from model.tokenizer import Tokenizer
+from scheduler.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerState:
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    api_key: str | None = None
+    max_request_bytes: int = 8 * 2**20
+    fingerprint: str = "fp_llamaserve"
+    extra_model_names: list[str] = field(default_factory=list)
+
+    def serves(self, model: str | None) -> bool:
+        return model is None or model == self.model_name or model in self.extra_model_names

@@ -1,0 +1,114 @@
+"""Running engine requests for one HTTP request: admission of all its sub-requests
+before any byte is sent (so refusals are proper 4xx/503 answers), merging their outputs,
+SSE framing, and cancelling everything when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+from fastapi import Request
+
+from scheduler.async_engine import EngineDead, RequestStream
+from scheduler.request import InvalidParams, RequestOutput, SamplingParams
+from scheduler.scheduler import QueueFull
+from server.errors import APIError
+from server.state import ServerState
+
+T = TypeVar("T")
+RETRY_AFTER_S = "1"
+
+
+async def admit(
+    state: ServerState, jobs: list[tuple[str, list[int], SamplingParams]]
+) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        for request_id, ids, params in jobs:
+            streams.append(await state.engine.add_request(request_id, ids, params))
+    except BaseException as exc:
+        for stream in streams:
+            stream.close()
+        if isinstance(exc, QueueFull):
+            raise APIError(
+                503,
+                f"server overloaded: {exc}",
+                code="overloaded",
+                headers={"Retry-After": RETRY_AFTER_S},
+            ) from None
+        if isinstance(exc, EngineDead):
+            raise APIError(
+                503, "the engine is not running", headers={"Retry-After": RETRY_AFTER_S}
+            ) from None
+        if isinstance(exc, InvalidParams):
+            raise APIError(400, str(exc), exc.param) from None
+        raise
+    return streams
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Outputs of several streams as they come, tagged with the stream's position."""
+    if len(streams) == 1:  # the common case needs no tasks
+        try:
+            async for out in streams[0]:
+                yield 0, out
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out, None))
+        except Exception as exc:
+            queue.put_nowait((i, None, exc))
+        queue.put_nowait((i, None, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(streams)
+        while remaining:
+            i, out, exc = await queue.get()
+            if exc is not None:
+                raise exc
+            if out is None:
+                remaining -= 1
+                continue
+            yield i, out
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            stream.close()
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work` but cancels it if the client disconnects first (the body has been
+    read, so the next ASGI message can only be the disconnect)."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task in done:
+            return task.result()
+        task.cancel()
+        raise APIError(499, "client disconnected")
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
