@@ -22,7 +22,7 @@ from model.config import ModelConfig, UnsupportedModelError
 from model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from model.llama import Llama
 from model.tokenizer import Tokenizer
-from model.weights.gguf import count_gguf_tensors, iter_gguf_weights
+from model.weights.gguf import check_tensor_types, count_gguf_tensors, iter_gguf_weights
 from model.weights.gguf_file import ModelFileError, open_gguf
 from model.weights.safetensors import count_tensors, iter_safetensors, safetensors_files
 
@@ -62,6 +62,7 @@ def load_model(
         name = path.name
     elif path.is_file() and path.suffix == ".gguf":
         gguf = open_gguf(path)
+        check_tensor_types(gguf)
         names = {t.name for t in gguf.reader.tensors}
         config = ModelConfig.from_gguf_metadata(gguf.metadata, names, source=str(path))
         total = count_gguf_tensors(gguf)
@@ -76,12 +77,18 @@ def load_model(
 
     model = Llama.empty(config, max_position, device, dtype)
     bar = tqdm(weights, total=total, desc="loading weights", unit="tensor", disable=not progress)
+    # Dequantisation is many small ops: one thread is several times faster than two that
+    # wait on each other, and far faster when another process holds a core.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     try:
         model.load_weights((n, t.to(device)) for n, t in bar)
     except ValueError as exc:
         if isinstance(exc, ModelFileError | UnsupportedModelError):
             raise
         raise ModelFileError(f"{path}: {exc}") from None
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
     params = sum(p.numel() for p in model.parameters())
     logger.info(

@@ -149,9 +149,7 @@ class RequestStream:
     """The outputs of one admitted request, until all its n sequences finished. Leaving
     the iteration early (a client that went away) aborts the request."""
 
-    def __init__(
-        self, engine: AsyncEngine, request_id: str, n: int, queue: asyncio.Queue
-    ) -> None:
+    def __init__(self, engine: AsyncEngine, request_id: str, n: int, queue: asyncio.Queue) -> None:
         self._engine = engine
         self.request_id = request_id
         self._remaining = n

@@ -118,8 +118,10 @@ class Engine:
             self.kv.block_size,
             self.device,
         )
+        forward_started = time.monotonic()
         try:
             logits = self.model(batch, self.kv_cache)
+            stats.forward_s = time.monotonic() - forward_started
         except Exception:
             logger.exception("forward failed; failing the %d requests of this step", len(requests))
             return [self._fail(r, "internal error in the model forward") for r in requests], stats

@@ -20,17 +20,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from decimal import Decimal
 
+# Lower-cased unit -> bytes: KB .. TB are powers of 1000, KiB .. TiB powers of 1024.
 _MEMORY_UNITS: dict[str, int] = {
     "": 1,
     "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
+    **{f"{prefix}b": 1000**power for power, prefix in enumerate("kmgt", start=1)},
+    **{f"{prefix}ib": 1024**power for power, prefix in enumerate("kmgt", start=1)},
 }
 _MEMORY_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
 
@@ -191,7 +186,8 @@ class KVCacheManager:
             request.block_ids.append(self._take_block())
         if self.enable_prefix_caching:
             # Registered now, before this step's forward writes the KV, as vLLM does: the
-            # tokens are known, and any reader is scheduled no earlier than that forward.
+            # tokens are known, and a request that hits these blocks within this step runs in
+            # the same forward, where each layer writes K/V into the cache before attending.
             num_full_blocks = min(num_tokens, len(token_ids)) // self.block_size
             self._register_full_blocks(request, token_ids, num_full_blocks)
         return True
@@ -258,8 +254,7 @@ class KVCacheManager:
 
     def check_invariants(self) -> None:
         """Raise AssertionError if the bookkeeping is inconsistent; for tests."""
-        free = set(self._free_block_ids)
-        evictable = set(self._evictable)
+        free, evictable = set(self._free_block_ids), set(self._evictable)
         holders: dict[int, int] = {}
         for request_id, request in self._requests.items():
             block_ids = request.block_ids
@@ -271,33 +266,29 @@ class KVCacheManager:
             for block_id in block_ids:
                 holders[block_id] = holders.get(block_id, 0) + 1
         _check(len(free) == len(self._free_block_ids), "a block is on the free list twice")
-        _check(not free & evictable, "a block is both free and evictable")
-        _check(not (free | evictable) & holders.keys(), "a referenced block is also free")
         _check(
-            free | evictable | holders.keys() == set(range(self.num_blocks))
-            and len(free) + len(evictable) + len(holders) == self.num_blocks,
-            "blocks lost or out of range",
+            sorted([*free, *evictable, *holders]) == list(range(self.num_blocks)),
+            "free, evictable and referenced blocks do not partition all blocks",
         )
-        num_hashed = 0
         for block in self._blocks:
             block_id = block.block_id
+            _check(block.ref_count == holders.get(block_id, 0), f"block {block_id}: bad ref_count")
+            is_cached = block.block_hash is not None
             _check(
-                block.ref_count == holders.get(block_id, 0),
-                f"block {block_id} ref_count {block.ref_count}, held by {holders.get(block_id)}",
+                (block_id in evictable) == (is_cached and block.ref_count == 0),
+                f"block {block_id}: evictable must mean cached and unreferenced",
             )
-            if block.block_hash is None:
-                _check(block.token_ids is None, f"block {block_id} has tokens but no hash")
-                _check(block_id not in evictable, f"unhashed block {block_id} is evictable")
-            else:
-                num_hashed += 1
-                _check(self.enable_prefix_caching, "hashed block with prefix caching off")
+            if is_cached:
+                _check(self.enable_prefix_caching, "a block is cached with prefix caching off")
                 _check(self._cached.get(block.block_hash) == block_id, f"block {block_id} stale")
                 _check(
                     block.token_ids is not None and len(block.token_ids) == self.block_size,
                     f"cached block {block_id} does not hold a full block of tokens",
                 )
-                _check(block_id not in free, f"cached block {block_id} is on the free list")
-        _check(num_hashed == len(self._cached), "prefix-cache entries without a block")
+            else:
+                _check(block.token_ids is None, f"block {block_id} has tokens but no hash")
+        num_cached = sum(block.block_hash is not None for block in self._blocks)
+        _check(num_cached == len(self._cached), "prefix-cache entries without a block")
 
     def _take_block(self) -> int:
         if self._free_block_ids:

@@ -20,6 +20,7 @@ class StepStats:
     num_generated: int = 0
     num_preemptions: int = 0
     step_time_s: float = 0.0
+    forward_s: float = 0.0  # of step_time_s, the model forward alone
     ttft_s: list[float] = field(default_factory=list)
     inter_token_s: list[float] = field(default_factory=list)
     finished: list[FinishedStats] = field(default_factory=list)

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from model.config import ModelConfig
-from model.weights.dequant import UnsupportedQuantType, dequantize
+from model.weights.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
 from model.weights.gguf_file import GGUFFile, ModelFileError
 
 _GLOBAL_NAMES = {
@@ -75,6 +75,17 @@ def iter_gguf_weights(
         elif tensor.name.endswith("attn_k.weight"):
             weight = interleaved_to_halves(weight, config.n_kv_heads)
         yield name, weight
+
+
+def check_tensor_types(gguf: GGUFFile) -> None:
+    """Refuses a file with a tensor we cannot dequantise before anything is loaded."""
+    for tensor in gguf.reader.tensors:
+        if tensor.tensor_type not in SUPPORTED_TYPES:
+            raise ModelFileError(
+                f"{gguf.path}: tensor {tensor.name} has quantisation type "
+                f"{tensor.tensor_type.name}, which llamaserve cannot load "
+                f"(supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))})"
+            )
 
 
 def count_gguf_tensors(gguf: GGUFFile) -> int:

@@ -1,0 +1,99 @@
+"""The command line as a user meets it: the generate demo prints the greedy text, and
+every bad model path fails at start with one sentence naming the file, never a traceback."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+
+from model.greedy import greedy_tokens
+
+
+def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "server.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def write_gguf(path: Path, arch: str, qtype: GGMLQuantizationType | None = None) -> Path:
+    writer = GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_context_length(64)
+    writer.add_embedding_length(32)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(2)
+    writer.add_layer_norm_rms_eps(1e-5)
+    if qtype is None:
+        writer.add_tensor("token_embd.weight", np.zeros((16, 32), dtype=np.float32))
+    else:
+        # 2 rows of one IQ2_XXS super-block (256 weights, 66 bytes) each.
+        raw = np.zeros((2, 66), dtype=np.uint8)
+        writer.add_tensor("token_embd.weight", raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def assert_one_clear_sentence(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("llamaserve:")]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_missing_model_file(tmp_path):
+    missing = tmp_path / "nope.gguf"
+    result = run_cli("generate", "hi", "--model", str(missing))
+    assert_one_clear_sentence(result, str(missing), "no such")
+
+
+def test_corrupt_gguf(tmp_path):
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 64)
+    result = run_cli("generate", "hi", "--model", str(bad))
+    assert_one_clear_sentence(result, str(bad), "GGUF")
+
+
+def test_unsupported_architecture(tmp_path):
+    path = write_gguf(tmp_path / "falcon.gguf", "falcon")
+    result = run_cli("generate", "hi", "--model", str(path))
+    assert_one_clear_sentence(result, str(path), "falcon")
+
+
+def test_unsupported_quant_type(tmp_path):
+    path = write_gguf(tmp_path / "iq2.gguf", "llama", GGMLQuantizationType.IQ2_XXS)
+    result = run_cli("generate", "hi", "--model", str(path))
+    assert_one_clear_sentence(result, str(path), "IQ2_XXS")
+
+
+def test_hf_directory_without_weights(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 8}')
+    result = run_cli("generate", "hi", "--model", str(tmp_path))
+    assert_one_clear_sentence(result, str(tmp_path))
+
+
+def test_unsupported_hf_architecture(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    result = run_cli("generate", "hi", "--model", str(tmp_path))
+    assert_one_clear_sentence(result, "gpt2")
+
+
+@pytest.mark.slow
+def test_generate_prints_greedy_text(ours_default):
+    prompt = "The capital of France is"
+    ids = ours_default.tokenizer.encode(prompt)
+    expected = ours_default.tokenizer.decode(list(greedy_tokens(ours_default.model, ids, 12)))
+    result = run_cli("generate", prompt, "--max-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.rstrip("\n") == expected
