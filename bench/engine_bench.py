@@ -113,7 +113,8 @@ def main() -> None:
     print(f"step p50 / p90 / p99   {p50:8.1f} / {p90:.1f} / {p99:.1f} ms over {len(steps)} steps")
     if decode_ms:
         print(
-            f"decode step p50        {statistics.median(decode_ms):8.1f} ms ({len(decode_ms)} steps)"
+            f"decode step p50        {statistics.median(decode_ms):8.1f} ms "
+            f"({len(decode_ms)} steps)"
         )
     share = 100 * overhead(steps)
     print(f"overhead, all steps    {share:8.1f} % of step time outside the forward")
