@@ -96,6 +96,19 @@ class ChatTemplate:
         except (TypeError, ValueError, LookupError, AttributeError) as exc:
             raise ChatTemplateError(f"chat template failed on these messages: {exc!r}") from None
 
+    def prompt_ids(
+        self,
+        messages: list[dict[str, Any]],
+        tokenizer: Tokenizer,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> list[int]:
+        """The rendered prompt as token ids. Templates write BOS themselves where the model wants
+        it, so the tokenizer adds none (a second BOS is what `encode`'s default would give a
+        Llama 3 prompt); as in transformers, special-token text in the template is special."""
+        text = self.render(messages, add_generation_prompt, **kwargs)
+        return tokenizer.encode(text, allow_special=True, add_bos=False)
+
     @classmethod
     def for_tokenizer(cls, template: str, tokenizer: Tokenizer) -> "ChatTemplate":
         def text(token_id: int | None) -> str:

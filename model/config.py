@@ -1,5 +1,5 @@
 """`ModelConfig`: the hyper-parameters of a Llama-family network, read from an HF
-`config.json` or from GGUF metadata.
+`config.json`, from GGUF metadata or from a Meta checkpoint's `params.json`.
 
 Owns the translation of every checkpoint format's names into one set of fields and the
 refusal of shapes we cannot run. Must never touch weights or tensors.
@@ -166,6 +166,67 @@ class ModelConfig:
             )
         except KeyError as exc:
             raise UnsupportedModelError(f"{source}: missing GGUF metadata {exc}") from None
+
+    @classmethod
+    def from_meta_params(
+        cls, params: dict[str, Any], tensor_names: set[str], source: str = "params.json"
+    ) -> ModelConfig:
+        """Meta's `params.json`, read with the defaults of Meta's Llama 3 `ModelArgs`."""
+        unsupported = sorted(k for k in params if k.startswith(_META_UNSUPPORTED_PREFIXES))
+        if unsupported:
+            raise UnsupportedModelError(
+                f"{source}: {', '.join(unsupported)}: vision, mixture-of-experts and quantised "
+                "Meta checkpoints are not supported"
+            )
+        try:
+            dim, n_layers, n_heads = params["dim"], params["n_layers"], params["n_heads"]
+            vocab_size = params["vocab_size"]
+        except KeyError as exc:
+            raise UnsupportedModelError(f"{source}: missing field {exc}") from None
+        if vocab_size <= 0:
+            raise UnsupportedModelError(
+                f"{source}: vocab_size {vocab_size} (Llama 1/2 checkpoints) is not supported"
+            )
+        scaling = RopeScaling()
+        if params.get("use_scaled_rope"):
+            # Meta's reference code hard-codes factor 8; Llama 3.2 1B and 3B were trained with
+            # 32 (their HF configs were corrected after release), which params.json omits.
+            factor = params.get("rope_scaling_factor") or (
+                32.0 if (dim, n_layers) in _LLAMA32_SMALL_SHAPES else 8.0
+            )
+            scaling = RopeScaling(rope_type="llama3", factor=float(factor))
+        return cls(
+            dim=dim,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            n_kv_heads=params.get("n_kv_heads") or n_heads,
+            head_dim=dim // n_heads,
+            ffn_dim=meta_ffn_dim(
+                dim, params.get("multiple_of", 256), params.get("ffn_dim_multiplier")
+            ),
+            vocab_size=vocab_size,
+            norm_eps=params.get("norm_eps", 1e-5),
+            rope_theta=float(params.get("rope_theta", 500000.0)),
+            rope_scaling=scaling,
+            # Not in params.json: Llama 3 was trained on 8K tokens, 3.1 and later extend to 128K.
+            max_position=131072 if params.get("use_scaled_rope") else 8192,
+            tie_embeddings="output.weight" not in tensor_names,
+        )
+
+
+# params.json keys of checkpoints that need more than a plain decoder stack.
+_META_UNSUPPORTED_PREFIXES = ("vision_", "moe", "quantization_args", "lora_args")
+# (dim, n_layers) of Llama 3.2 1B and 3B.
+_LLAMA32_SMALL_SHAPES = {(2048, 16), (3072, 28)}
+
+
+def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -> int:
+    """SwiGLU width as Meta's `FeedForward` computes it: 2/3 of 4 * dim, times the multiplier,
+    rounded up to a multiple of `multiple_of` (each step truncated to an int, as there)."""
+    hidden = int(2 * (4 * dim) / 3)
+    if ffn_dim_multiplier is not None:
+        hidden = int(ffn_dim_multiplier * hidden)
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
 
 
 def _rope_scaling(rope: dict[str, Any], source: str) -> RopeScaling:

@@ -108,6 +108,28 @@ class Llama(nn.Module):
         model.rope = RotaryEmbedding(config, max_position or config.max_position, device)
         return model
 
+    @classmethod
+    @torch.no_grad()
+    def random(
+        cls,
+        config: ModelConfig,
+        max_position: int | None = None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        seed: int = 0,
+        std: float = 0.02,
+    ) -> Llama:
+        """A model with seeded random weights (matrices N(0, std), norm gains 1), drawn on
+        `device` itself: PyTorch's default init on the CPU takes minutes at 8B parameters."""
+        model = cls.empty(config, max_position, device, dtype)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        for param in model.parameters():  # a tied weight is listed once
+            if param.dim() == 1:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
+        return model.eval()
+
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""

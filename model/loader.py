@@ -1,5 +1,6 @@
-"""Loads a checkpoint (GGUF file or HF safetensors directory) into a ready `Llama`
-plus its tokenizer and chat template.
+"""Loads a checkpoint (GGUF file, HF safetensors directory or Meta `params.json` directory)
+into a ready `Llama` plus its tokenizer and chat template; or builds a model of a named shape
+with random weights.
 
 Every way a model path can be wrong ends here as one `ModelFileError` or
 `UnsupportedModelError` sentence naming the file and the problem; callers print it
@@ -21,14 +22,24 @@ from model.chat_template import ChatTemplate
 from model.config import ModelConfig, UnsupportedModelError
 from model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from model.llama import Llama
-from model.tokenizer import Tokenizer
+from model.llama3_chat import llama3_chat_format
+from model.llama3_tokenizer import bundled_tokenizer_path, llama3_byte_tokenizer, llama3_tokenizer
+from model.presets import preset_config
+from model.tokenizer import Tokenizer, TokenizerError
 from model.weights.gguf import check_tensor_types, count_gguf_tensors, iter_gguf_weights
 from model.weights.gguf_file import ModelFileError, open_gguf
+from model.weights.meta import count_meta_tensors, iter_meta_weights, open_meta_checkpoint
 from model.weights.safetensors import count_tensors, iter_safetensors, safetensors_files
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LoadedModel", "ModelFileError", "UnsupportedModelError", "load_model"]
+__all__ = [
+    "LoadedModel",
+    "ModelFileError",
+    "UnsupportedModelError",
+    "load_model",
+    "load_random_model",
+]
 
 
 @dataclass
@@ -50,9 +61,7 @@ def load_model(
 ) -> LoadedModel:
     started = time.perf_counter()
     path = Path(path) if path is not None else default_model_path()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelFileError(f"{path}: directory has no config.json (HF checkpoint expected)")
+    if path.is_dir() and (path / "config.json").is_file():
         config = ModelConfig.from_hf_dir(path)
         files = safetensors_files(path)
         total = count_tensors(files)
@@ -60,6 +69,22 @@ def load_model(
         tokenizer = Tokenizer.from_hf_dir(path)
         template = ChatTemplate.from_hf_dir(path, tokenizer)
         name = path.name
+    elif path.is_dir() and (path / "params.json").is_file():
+        checkpoint = open_meta_checkpoint(path)
+        params_file = str(path / "params.json")
+        config = ModelConfig.from_meta_params(
+            checkpoint.params, checkpoint.tensor_names, source=params_file
+        )
+        total = count_meta_tensors(checkpoint)
+        weights = iter_meta_weights(checkpoint, config, dtype)
+        tokenizer = _meta_tokenizer(path, config)
+        template = None
+        name = path.name
+    elif path.is_dir():
+        raise ModelFileError(
+            f"{path}: directory has neither config.json (HF checkpoint) "
+            "nor params.json (Meta checkpoint)"
+        )
     elif path.is_file() and path.suffix == ".gguf":
         gguf = open_gguf(path)
         check_tensor_types(gguf)
@@ -71,9 +96,14 @@ def load_model(
         template = ChatTemplate.from_gguf_metadata(gguf.metadata, tokenizer)
         name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
     elif path.exists():
-        raise ModelFileError(f"{path}: not a model (expected a .gguf file or an HF directory)")
+        raise ModelFileError(
+            f"{path}: not a model (expected a .gguf file, an HF or a Meta checkpoint directory)"
+        )
     else:
         raise ModelFileError(f"{path}: no such file or directory")
+    if template is None:
+        # Llama 3 checkpoints without a Jinja template still chat the way Meta formats it.
+        template = llama3_chat_format(tokenizer)
 
     model = Llama.empty(config, max_position, device, dtype)
     bar = tqdm(weights, total=total, desc="loading weights", unit="tensor", disable=not progress)
@@ -107,3 +137,60 @@ def default_model_path_or_none() -> Path | None:
         return default_model_path()
     except RuntimeError:
         return None
+
+
+def _read_llama3_tokenizer(file: Path) -> Tokenizer:
+    try:
+        return llama3_tokenizer(file)
+    except TokenizerError as exc:  # its message already names the file
+        raise ModelFileError(str(exc)) from None
+
+
+def _meta_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
+    file = path / "tokenizer.model"
+    if not file.is_file():
+        raise ModelFileError(f"{path}: Meta checkpoint has no tokenizer.model")
+    tokenizer = _read_llama3_tokenizer(file)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelFileError(
+            f"{file}: {tokenizer.vocab_size} tokens, more than the model's vocab_size "
+            f"{config.vocab_size}"
+        )
+    return tokenizer
+
+
+def load_random_model(
+    preset: str,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    tokenizer_path: str | Path | None = None,
+    max_position: int | None = None,
+) -> LoadedModel:
+    """A model of a named published shape (`model.presets`) with random weights, to exercise
+    memory, KV-cache capacity and speed at that scale without its checkpoint.
+
+    The tokenizer is Meta's Llama 3 `tokenizer.model` from `tokenizer_path`, else the copy
+    inside the `llama-models` package when that is installed, else a byte-level stand-in with
+    Llama 3's special tokens (`llama3_byte_tokenizer`). The chat format is Llama 3's."""
+    started = time.perf_counter()
+    config = preset_config(preset)
+    path = Path(tokenizer_path) if tokenizer_path is not None else bundled_tokenizer_path()
+    tokenizer = _read_llama3_tokenizer(path) if path is not None else llama3_byte_tokenizer()
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelFileError(
+            f"{path}: {tokenizer.vocab_size} tokens do not fit {preset}'s vocabulary of "
+            f"{config.vocab_size}"
+        )
+    model = Llama.random(config, max_position, device, dtype, seed)
+    logger.info(
+        "built %s with random weights: %.1fM parameters, %s on %s in %.1f s (tokenizer: %s)",
+        preset,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        str(dtype).removeprefix("torch."),
+        device,
+        time.perf_counter() - started,
+        path or "byte-level stand-in",
+    )
+    template = llama3_chat_format(tokenizer)
+    return LoadedModel(f"{preset}-random", Path(preset), config, model, tokenizer, template)

@@ -26,18 +26,18 @@ _GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+
 _DIGITS_GPT2_PATTERN = (
     r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
 )
-_LLAMA3_PATTERN = (
+LLAMA3_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
-_QWEN2_PATTERN = _LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+_QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
 
 # `tokenizer.ggml.pre` names, grouped as llama.cpp's llama-vocab.cpp groups them by regex.
 _PATTERN_BY_GGUF_PRE = {
     **dict.fromkeys(["gpt-2", "phi-2", "mpt", "olmo"], _GPT2_PATTERN),
     **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell"], _DIGITS_GPT2_PATTERN),
     **dict.fromkeys(
-        ["llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"], _LLAMA3_PATTERN
+        ["llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"], LLAMA3_PATTERN
     ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2"], _QWEN2_PATTERN),
 }
@@ -114,32 +114,24 @@ class Tokenizer:
     ) -> None:
         """`tokens[id]` is the vocabulary in GPT-2 byte-to-unicode form; `added` maps the id of each
         added token (kept out of BPE, written as plain text) to whether it is special."""
-        self.vocab_size = len(tokens)
-        for name, token_id in (("eos", eos_id), ("bos", bos_id), ("pad", pad_id)):
-            if token_id is not None and not 0 <= token_id < self.vocab_size:
-                raise TokenizerError(f"{name} id {token_id} is outside the vocabulary")
-        self.eos_id, self.bos_id, self.pad_id, self.add_bos = eos_id, bos_id, pad_id, add_bos
-        self._normalize_nfc = normalize_nfc
-
         byte_of = _gpt2_byte_decoder()
-        self._token_bytes: list[bytes] = []
+        token_bytes: list[bytes] = []
         id_of: dict[bytes, int] = {}
         for token_id, text in enumerate(tokens):
             if token_id in added:
-                self._token_bytes.append(text.encode("utf-8"))
+                token_bytes.append(text.encode("utf-8"))
                 continue
             try:
                 raw = bytes(byte_of[c] for c in text)
             except KeyError:
                 raise TokenizerError(f"token {token_id} {text!r} is not byte-level BPE") from None
-            self._token_bytes.append(raw)
+            token_bytes.append(raw)
             id_of.setdefault(raw, token_id)
 
         # tiktoken needs a rank for every byte; bytes without a token get one that maps to -1
         # and is dropped from the output, as HF and llama.cpp drop them.
         ranks = {bytes([b]): b for b in range(256)}
         rank_to_id = [id_of.get(bytes([b]), -1) for b in range(256)]
-        self._has_missing_bytes = -1 in rank_to_id
         for k, merge in enumerate(merges):
             try:
                 left, right = (bytes(byte_of[c] for c in part) for part in merge)
@@ -151,14 +143,68 @@ class Tokenizer:
             if merged not in ranks:
                 ranks[merged] = len(rank_to_id)
                 rank_to_id.append(id_of[merged])
+        self._build(token_bytes, ranks, rank_to_id, added, pattern, eos_id, bos_id, pad_id, add_bos)
+        self._normalize_nfc = normalize_nfc
+        self.stop_ids |= set(extra_stop_ids)
 
-        self.special_tokens = {tokens[i]: i for i, special in added.items() if special}
+    @classmethod
+    def from_ranks(
+        cls,
+        *,
+        token_bytes: Sequence[bytes],
+        ranks: dict[bytes, int],
+        added: dict[int, bool],
+        pattern: str,
+        eos_id: int,
+        bos_id: int | None = None,
+        pad_id: int | None = None,
+        add_bos: bool = False,
+    ) -> "Tokenizer":
+        """tiktoken's own vocabulary form, where a BPE token's id is its rank (`ranks` maps
+        bytes to id). `token_bytes[id]` covers the whole vocabulary: BPE tokens, added tokens
+        (as UTF-8 text) and ids that encoding never produces but a model may still emit."""
+        missing = [b for b in range(256) if bytes([b]) not in ranks]
+        if missing:
+            raise TokenizerError(f"{len(missing)} byte values have no rank, e.g. {missing[:4]}")
+        for token, token_id in ranks.items():
+            if not 0 <= token_id < len(token_bytes) or token_bytes[token_id] != token:
+                raise TokenizerError(f"rank {token_id} of {token!r} is not that token's id")
+        tokenizer = cls.__new__(cls)
+        rank_to_id = list(range(max(ranks.values()) + 1))
+        tokenizer._build(
+            list(token_bytes), ranks, rank_to_id, added, pattern, eos_id, bos_id, pad_id, add_bos
+        )
+        tokenizer._normalize_nfc = False
+        return tokenizer
+
+    def _build(
+        self,
+        token_bytes: list[bytes],
+        ranks: dict[bytes, int],
+        rank_to_id: list[int],
+        added: dict[int, bool],
+        pattern: str,
+        eos_id: int,
+        bos_id: int | None,
+        pad_id: int | None,
+        add_bos: bool,
+    ) -> None:
+        """The part every vocabulary form shares, once BPE ranks and their ids are known."""
+        self.vocab_size = len(token_bytes)
+        for name, token_id in (("eos", eos_id), ("bos", bos_id), ("pad", pad_id)):
+            if token_id is not None and not 0 <= token_id < self.vocab_size:
+                raise TokenizerError(f"{name} id {token_id} is outside the vocabulary")
+        self.eos_id, self.bos_id, self.pad_id, self.add_bos = eos_id, bos_id, pad_id, add_bos
+        self._token_bytes = token_bytes
+        self._has_missing_bytes = -1 in rank_to_id
+        text_of = {i: token_bytes[i].decode("utf-8") for i in added}
+        self.special_tokens = {text_of[i]: i for i, special in added.items() if special}
         # Non-special added tokens are always matched in text, as HF and llama.cpp match them.
-        self._always_split = frozenset(tokens[i] for i, special in added.items() if not special)
+        self._always_split = frozenset(text_of[i] for i, special in added.items() if not special)
         self._allow_all = self._always_split | frozenset(self.special_tokens)
         added_ranks = {}
         for token_id in sorted(added):
-            added_ranks[tokens[token_id]] = len(rank_to_id)
+            added_ranks[text_of[token_id]] = len(rank_to_id)
             rank_to_id.append(token_id)
         self._rank_to_id = np.asarray(rank_to_id, dtype=np.int64)
         try:
@@ -171,7 +217,7 @@ class Tokenizer:
             ) from None
 
         self._skip_ids = frozenset(self.special_tokens.values())
-        self.stop_ids = {eos_id, *extra_stop_ids}
+        self.stop_ids = {eos_id}
         self.stop_ids |= {
             self.special_tokens[t] for t in _END_OF_TURN_TOKENS if t in self.special_tokens
         }

@@ -112,22 +112,37 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(queue.put_nowait, out)
 
     def _run(self) -> None:
+        # False at start, so the first report (the cache size, empty gauges) comes at once.
+        idle_reported = False
         try:
             while not self._stopping:
                 self._drain_inbox()
                 if not self.engine.has_work():
+                    # Gauges are read at the end of a step; an abort or the last finish
+                    # leaves no step to say the engine is now idle, so say it once here.
+                    if not idle_reported:
+                        self._report(self.engine.idle_stats())
+                        idle_reported = True
                     self._wake.wait(timeout=1.0)
                     self._wake.clear()
                     continue
+                idle_reported = False
                 outputs, stats = self.engine.step()
                 self._deliver(outputs)
-                if self.on_step is not None:
-                    self.on_step(stats)
+                self._report(stats)
         except Exception:
             logger.exception("engine thread died")
         finally:
             self.alive = False
             self._fail_all()
+
+    def _report(self, stats: StepStats) -> None:
+        if self.on_step is None:
+            return
+        try:
+            self.on_step(stats)
+        except Exception:  # a broken exporter must not stop serving
+            logger.exception("on_step hook failed")
 
     def _fail_all(self) -> None:
         with self._lock:

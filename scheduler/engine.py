@@ -59,6 +59,8 @@ class Engine:
         self.device = model.embed_tokens.weight.device
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, list[str]] = {}
+        # Aborts happen between steps; their stats ride on the next report.
+        self._aborted: list[FinishedStats] = []
 
     # ---- admission -------------------------------------------------------------------
 
@@ -80,7 +82,9 @@ class Engine:
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)
-            generator.manual_seed(params.seed + index)
+            # Seeds are 64-bit: the n-th sibling's seed wraps around, as torch itself wraps
+            # negative seeds, instead of overflowing past 2**64 - 1.
+            generator.manual_seed((params.seed + index) % 2**64)
         request = Request(seq_id, list(prompt_ids), params, generator=generator)
         stop_ids = frozenset(params.stop_token_ids) | (
             frozenset() if params.ignore_eos else frozenset(self.tokenizer.stop_ids)
@@ -93,18 +97,29 @@ class Engine:
     def abort(self, request_id: str) -> None:
         """Drops a request (all n sequences) and frees every block it holds."""
         for seq_id in self._groups.pop(request_id, []):
-            self.scheduler.abort(seq_id)
+            req = self.scheduler.abort(seq_id)
             self._tracked.pop(seq_id, None)
+            if req is not None:
+                self._aborted.append(self._finished_stats(req))
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
+
+    def idle_stats(self) -> StepStats:
+        """A report without a step: the gauges as they are now, and the aborts since the
+        last report. Without it, gauges would keep the last step's values after an abort
+        or the last finish left the engine idle."""
+        stats = StepStats(finished=self._aborted)
+        self._aborted = []
+        return self._fill_gauges(stats)
 
     # ---- one step --------------------------------------------------------------------
 
     def step(self) -> tuple[list[RequestOutput], StepStats]:
         started = time.monotonic()
         plan = self.scheduler.schedule()
-        stats = StepStats(num_preemptions=len(plan.preempted))
+        stats = StepStats(num_preemptions=len(plan.preempted), finished=self._aborted)
+        self._aborted = []
         if not plan.scheduled:
             return [], self._fill_gauges(stats)
         requests = [r for r, _ in plan.scheduled]
@@ -124,7 +139,8 @@ class Engine:
             stats.forward_s = time.monotonic() - forward_started
         except Exception:
             logger.exception("forward failed; failing the %d requests of this step", len(requests))
-            return [self._fail(r, "internal error in the model forward") for r in requests], stats
+            failed = [self._fail(r, "internal error in the model forward") for r in requests]
+            return failed, self._fill_gauges(stats)
 
         rows: list[int] = []
         for i, (req, n) in enumerate(plan.scheduled):
@@ -137,7 +153,14 @@ class Engine:
         outputs: list[RequestOutput] = []
         if rows:
             sampled = [requests[i] for i in rows]
-            result = self.sampler(logits[rows], self._sampling_metadata(sampled))
+            try:
+                result = self.sampler(logits[rows], self._sampling_metadata(sampled))
+            except Exception:
+                # Only the rows that sampled are lost; an exception escaping step() would
+                # stop the engine thread and with it every request on the server.
+                logger.exception("sampling failed; failing the %d requests it held", len(sampled))
+                failed = [self._fail(r, "internal error in the sampler") for r in sampled]
+                return failed, self._fill_gauges(stats)
             outputs = self._append_tokens(sampled, result, stats)
         stats.step_time_s = time.monotonic() - started
         return outputs, self._fill_gauges(stats)
@@ -201,6 +224,10 @@ class Engine:
         if req.first_token_time is None:
             req.first_token_time = now
             stats.ttft_s.append(now - req.arrival_time)
+            # Once per client request, as its usage.prompt_tokens counts: the n sequences
+            # of one request share a single prefill.
+            if t.index == 0:
+                stats.num_prompt_tokens += len(req.prompt_ids)
         else:
             stats.inter_token_s.append(now - (req.last_token_time or now))
         req.last_token_time = now
@@ -222,7 +249,7 @@ class Engine:
         if reason is not None:
             t.text.finish()
             self.scheduler.finish(req, reason)
-            self._record_finished(req, stats)
+            stats.finished.append(self._finished_stats(req))
             self._forget(t)
         out = RequestOutput(
             request_id=t.group_id,
@@ -264,16 +291,14 @@ class Engine:
             if not group:
                 del self._groups[t.group_id]
 
-    def _record_finished(self, req: Request, stats: StepStats) -> None:
+    def _finished_stats(self, req: Request) -> FinishedStats:
         now = time.monotonic()
-        stats.finished.append(
-            FinishedStats(
-                finish_reason=req.finish_reason or "stop",
-                e2e_s=now - req.arrival_time,
-                queue_s=(req.first_scheduled_time or now) - req.arrival_time,
-                num_prompt_tokens=len(req.prompt_ids),
-                num_output_tokens=len(req.output_ids),
-            )
+        return FinishedStats(
+            finish_reason=req.finish_reason or "stop",
+            e2e_s=now - req.arrival_time,
+            queue_s=(req.first_scheduled_time or now) - req.arrival_time,
+            num_prompt_tokens=len(req.prompt_ids),
+            num_output_tokens=len(req.output_ids),
         )
 
     def _fill_gauges(self, stats: StepStats) -> StepStats:

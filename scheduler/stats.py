@@ -1,6 +1,7 @@
 """What one engine step reports for metrics: gauges read at the end of the step, and the
 latencies and token counts it produced. Collected where the events happen, so that an
-exporter never has to scan requests."""
+exporter never has to scan requests. A report with no step (the engine going idle, say
+after an abort) carries only the gauges and what finished since the last report."""
 
 from dataclasses import dataclass, field
 
@@ -17,6 +18,7 @@ class FinishedStats:
 @dataclass
 class StepStats:
     num_tokens: int = 0  # tokens fed to the model this step
+    num_prompt_tokens: int = 0  # prompts of requests that got their first token this step
     num_generated: int = 0
     num_preemptions: int = 0
     step_time_s: float = 0.0

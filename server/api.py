@@ -10,11 +10,11 @@ from typing import Any
 from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
 from server.errors import APIError, install_error_handlers
+from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import BodyLimit, RequestContext
 from server.protocol import (
     ChatCompletionRequest,
@@ -28,7 +28,9 @@ from server.sampling import check_token_ids
 from server.state import ServerState
 
 
-def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> FastAPI:
+def build_app(
+    state: ServerState, metrics: ServerMetrics, allowed_origins: list[str] | None = None
+) -> FastAPI:
     app = FastAPI(title="llamaserve", version="0.1.0")
     app.state.llamaserve = state
     install_error_handlers(app)
@@ -40,7 +42,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
             allow_headers=["*"],
         )
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
-    app.add_middleware(RequestContext)
+    app.add_middleware(RequestContext, on_status=metrics.count_response)
 
     def authorized(request: Request) -> None:
         if state.api_key is None:
@@ -101,7 +103,7 @@ def build_app(state: ServerState, allowed_origins: list[str] | None = None) -> F
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     return app

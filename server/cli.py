@@ -29,6 +29,19 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--dtype", default="float32", choices=list(DTYPES), help="compute dtype (default float32)"
     )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="random weights in the shapes of --model-config (exercise scale without a checkpoint)",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="preset shapes for --random-weights: llama3-1b, llama3-3b, llama3-8b, llama3-70b",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.model for --random-weights (Llama 3 format)"
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -125,17 +138,26 @@ def build_parser() -> argparse.ArgumentParser:
 
 def generate(args: argparse.Namespace) -> int:
     from model.greedy import greedy_tokens
-    from model.loader import load_model
     from model.tokenizer import IncrementalDetokenizer
+    from server.launch import ServeConfig, load
 
-    loaded = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype])
+    loaded = load(
+        ServeConfig(
+            model=args.model,
+            device=args.device,
+            dtype=DTYPES[args.dtype],
+            random_weights=args.random_weights,
+            model_config=args.model_config,
+            tokenizer=args.tokenizer,
+        )
+    )
     tok = loaded.tokenizer
     if args.chat:
         if loaded.chat_template is None:
             print(f"llamaserve: {loaded.path} has no chat template", file=sys.stderr)
             return 2
-        text = loaded.chat_template.render([{"role": "user", "content": args.prompt}])
-        ids = tok.encode(text, allow_special=True)
+        messages = [{"role": "user", "content": args.prompt}]
+        ids = loaded.chat_template.prompt_ids(messages, tok)
     else:
         ids = tok.encode(args.prompt)
     detok = IncrementalDetokenizer(tok)
@@ -173,6 +195,9 @@ def serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_grace,
+        random_weights=args.random_weights,
+        model_config=args.model_config,
+        tokenizer=args.tokenizer,
     )
     app, _ = build_server(config)
     uvicorn_server(app, config).run()

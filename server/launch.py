@@ -12,11 +12,12 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from model.loader import LoadedModel, load_model
+from model.loader import LoadedModel, UnsupportedModelError, load_model, load_random_model
 from scheduler.async_engine import AsyncEngine
 from scheduler.config import EngineConfig
 from scheduler.engine import create_engine
 from server.api import build_app
+from server.metrics import ServerMetrics
 from server.state import ServerState
 
 logger = logging.getLogger("llamaserve.server")
@@ -35,21 +36,41 @@ class ServeConfig:
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 8 * 2**20
     shutdown_grace_s: float = 10.0
+    random_weights: bool = False  # with model_config: a preset's shapes, random weights
+    model_config: str | None = None
+    tokenizer: str | None = None
+
+
+def load(config: ServeConfig) -> LoadedModel:
+    if config.random_weights:
+        if config.model_config is None:
+            raise UnsupportedModelError("--random-weights needs --model-config (e.g. llama3-1b)")
+        return load_random_model(
+            config.model_config,
+            device=config.device,
+            dtype=config.dtype,
+            tokenizer_path=config.tokenizer,
+            max_position=config.engine.max_model_len,
+        )
+    return load_model(
+        config.model,
+        device=config.device,
+        dtype=config.dtype,
+        max_position=config.engine.max_model_len,
+    )
 
 
 def build_server(
     config: ServeConfig, loaded: LoadedModel | None = None
 ) -> tuple[FastAPI, ServerState]:
     if loaded is None:
-        loaded = load_model(
-            config.model,
-            device=config.device,
-            dtype=config.dtype,
-            max_position=config.engine.max_model_len,
-        )
+        loaded = load(config)
     engine = create_engine(loaded.model, loaded.tokenizer, config.engine)
-    async_engine = AsyncEngine(engine)
     names = config.served_model_name or [loaded.name]
+    metrics = ServerMetrics(
+        names[0], engine.scheduler.config.max_model_len, config.engine.max_num_batched_tokens
+    )
+    async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
     state = ServerState(
         engine=async_engine,
         tokenizer=loaded.tokenizer,
@@ -61,7 +82,7 @@ def build_server(
         api_key=config.api_key,
         max_request_bytes=config.max_request_bytes,
     )
-    app = build_app(state, config.allowed_origins)
+    app = build_app(state, metrics, config.allowed_origins)
     url = f"http://{config.host}:{config.port}/v1"
 
     @asynccontextmanager

@@ -1,6 +1,7 @@
 """Cross-cutting HTTP concerns, as plain ASGI middleware: a request id on every request
-(the client's `X-Request-Id` or a new one) with one access-log line when it ends, and a
-bound on body size that answers 413 before the body reaches JSON parsing."""
+(the client's `X-Request-Id` or a new one) with one access-log line and one status report
+(for the error counters) when it ends, and a bound on body size that answers 413 before
+the body reaches JSON parsing."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -18,10 +20,12 @@ access_log = logging.getLogger("llamaserve.access")
 
 
 class RequestContext:
-    """Assigns the request id and writes the access-log line."""
+    """Assigns the request id, writes the access-log line and reports the final status
+    to `on_status`."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, on_status: Callable[[int], None] | None = None) -> None:
         self.app = app
+        self.on_status = on_status
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -59,6 +63,8 @@ class RequestContext:
                 state.get("completion_tokens", 0),
                 time.perf_counter() - started,
             )
+            if self.on_status is not None:
+                self.on_status(status)
 
 
 class BodyLimit:

@@ -1,0 +1,94 @@
+"""A real uvicorn serving the real app on a free loopback port, in a background thread,
+for the API tests: the openai client, httpx and curl talk to it over real sockets.
+
+`running_server` builds one with any configuration (each gets its own engine and KV
+cache on the already loaded default model); `live_server` is the default one, shared by
+the whole session.
+"""
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+from scheduler.config import EngineConfig
+from scheduler.engine import Engine
+from server.launch import ServeConfig, build_server, uvicorn_server
+from server.state import ServerState
+
+# 2048 tokens of KV cache on the default model (737,280 bytes per 16-token block): room for
+# 64 short concurrent requests, and small enough to allocate once per server quickly.
+KV_CACHE_BYTES = 128 * 737_280
+MAX_MODEL_LEN = 1024
+
+
+@dataclass
+class LiveServer:
+    base_url: str  # http://127.0.0.1:PORT
+    state: ServerState
+
+    @property
+    def v1(self) -> str:
+        return f"{self.base_url}/v1"
+
+    @property
+    def engine(self) -> Engine:
+        return self.state.engine.engine
+
+    def wait_kv_free(self, timeout_s: float = 30.0) -> int:
+        """Used KV blocks once every request is gone (or the timeout passed). Aborts take
+        effect on the engine thread's next step, so the count needs a moment to settle."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.engine.kv.num_used_blocks == 0 and not self.engine.has_work():
+                return 0
+            time.sleep(0.05)
+        return self.engine.kv.num_used_blocks
+
+
+def engine_config(**overrides: object) -> EngineConfig:
+    fields = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES)
+    fields.update(overrides)
+    return EngineConfig(**fields)
+
+
+@contextmanager
+def running_server(loaded, engine: EngineConfig | None = None, **serve) -> Iterator[LiveServer]:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; nobody else can take it
+    port = sock.getsockname()[1]
+    config = ServeConfig(
+        host="127.0.0.1",
+        port=port,
+        engine=engine or engine_config(),
+        shutdown_grace_s=2.0,
+        **serve,
+    )
+    app, state = build_server(config, loaded=loaded)
+    server = uvicorn_server(app, config)
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [sock]}, name=f"uvicorn-{port}", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("uvicorn did not start")
+        time.sleep(0.02)
+    try:
+        yield LiveServer(f"http://127.0.0.1:{port}", state)
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def live_server(ours_default) -> Iterator[LiveServer]:
+    with running_server(ours_default) as live:
+        yield live
