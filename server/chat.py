@@ -30,11 +30,13 @@ def render_chat(
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
     dicts = [{"role": m.role, "content": m.text()} for m in messages]
     try:
-        text = state.chat_template.render(dicts, add_generation_prompt, **(kwargs or {}))
+        # A format without a Jinja template (Llama 3's) builds the ids itself; either way
+        # the template writes every special token it wants, BOS included.
+        return state.chat_template.prompt_ids(
+            dicts, state.tokenizer, add_generation_prompt, **(kwargs or {})
+        )
     except ChatTemplateError as exc:
         raise APIError(400, f"messages: {exc}", "messages") from None
-    # The template already wrote every special token it wants, BOS included.
-    return state.tokenizer.encode(text, allow_special=True, add_bos=False)
 
 
 def chat_logprobs(entries: list[TokenLogprob], state: ServerState) -> list[dict[str, Any]]:
