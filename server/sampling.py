@@ -71,7 +71,9 @@ def sampling_params(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p,
-            top_k=req.top_k or 0,
+            # A top_k past the vocabulary keeps every token, which is what 0 means; mapping it
+            # keeps numbers no tensor can hold (a client may send 10**30) out of the sampler.
+            top_k=0 if req.top_k is None or req.top_k >= state.vocab_size else req.top_k,
             min_p=req.min_p or 0.0,
             presence_penalty=req.presence_penalty or 0.0,
             frequency_penalty=req.frequency_penalty or 0.0,

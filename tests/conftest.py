@@ -3,6 +3,8 @@ import os
 import pytest
 import torch
 
+from tests.live_server import live_server  # noqa: F401  (the shared real server, for API tests)
+
 # More BLAS threads than free cores makes every op wait at a barrier (tens of times
 # slower); LLAMASERVE_TEST_THREADS=1 when something else is busy on the machine.
 torch.set_num_threads(int(os.environ.get("LLAMASERVE_TEST_THREADS", min(2, os.cpu_count() or 1))))

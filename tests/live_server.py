@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import httpx
 import pytest
 
 from scheduler.config import EngineConfig
@@ -57,9 +58,16 @@ def engine_config(**overrides: object) -> EngineConfig:
 
 
 @contextmanager
-def running_server(loaded, engine: EngineConfig | None = None, **serve) -> Iterator[LiveServer]:
+def running_server(
+    loaded, engine: EngineConfig | None = None, send_buffer_bytes: int = 0, **serve
+) -> Iterator[LiveServer]:
+    """`send_buffer_bytes` caps the kernel's send buffer of every accepted connection (they
+    inherit it from the listening socket), so that a client that does not read stalls the
+    server's writes after a few kilobytes instead of megabytes."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))  # the kernel picks a free port; nobody else can take it
     port = sock.getsockname()[1]
     config = ServeConfig(
@@ -86,6 +94,21 @@ def running_server(loaded, engine: EngineConfig | None = None, **serve) -> Itera
         server.should_exit = True
         thread.join(30)
         sock.close()
+
+
+def assert_error(r: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    body = r.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    assert "Traceback" not in error["message"]
+    assert isinstance(error["type"], str) and error["type"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
 
 
 @pytest.fixture(scope="session")

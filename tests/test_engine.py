@@ -217,3 +217,26 @@ def test_many_requests_with_random_aborts(ours_default):
         engine.kv.check_invariants()
     assert not live
     assert engine.kv.num_used_blocks == 0
+
+
+def test_sampler_failure_fails_its_requests_not_the_engine(ours_default, prompts, alone):
+    engine = engine_for(ours_default)
+    # Valid as SamplingParams, but no int64 tensor holds it: the sampler raises.
+    engine.add_request("bad", prompts[0], SamplingParams(max_tokens=4, top_k=2**70))
+    outputs, _ = engine.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", "error")]
+    assert outputs[0].error is not None
+    assert engine.kv.num_used_blocks == 0 and not engine.has_work()
+    results, _ = run_engine(engine, {"ok": (prompts[5], greedy())})
+    assert results[("ok", 0)].token_ids == alone[5]
+
+
+def test_largest_seed_with_n_siblings(ours_default, prompts):
+    # Sibling i is seeded with seed + i, which must wrap at 2**64 rather than overflow.
+    params = SamplingParams(max_tokens=3, temperature=1.0, n=3, seed=2**64 - 1)
+    results, _ = run_engine(engine_for(ours_default), {"s": (prompts[1], params)})
+    assert all(len(results[("s", i)].token_ids) == 3 for i in range(3))
+    # A seed of -1 is the same 64-bit seed as 2**64 - 1 (torch wraps negatives).
+    again = SamplingParams(max_tokens=3, temperature=1.0, n=3, seed=-1)
+    results2, _ = run_engine(engine_for(ours_default), {"s": (prompts[1], again)})
+    assert all(results2[("s", i)].token_ids == results[("s", i)].token_ids for i in range(3))
