@@ -4,8 +4,10 @@ engine thread, wire the app; and runs it under uvicorn with a graceful shutdown.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import signal
+import threading
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -97,8 +99,26 @@ def build_server(
     return app, state
 
 
+class GracefulServer(uvicorn.Server):
+    """uvicorn re-raises the stopping signal once its graceful shutdown is done, so the
+    process would end as 'killed by SIGTERM'; an orderly stop should exit 0."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield  # signals can only be handled on the main thread
+            return
+        stopping = (signal.SIGINT, signal.SIGTERM)
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in stopping}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
 def uvicorn_server(app: FastAPI, config: ServeConfig) -> uvicorn.Server:
-    return uvicorn.Server(
+    return GracefulServer(
         uvicorn.Config(
             app,
             host=config.host,
