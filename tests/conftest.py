@@ -3,7 +3,8 @@ import os
 import pytest
 import torch
 
-from tests.live_server import live_server  # noqa: F401  (the shared real server, for API tests)
+# Shared fixtures: the real server for API tests; the tokenizers for tokenizer tests.
+pytest_plugins = ["tests.live_server", "tests.smollm2_fixtures"]
 
 # More BLAS threads than free cores makes every op wait at a barrier (tens of times
 # slower); LLAMASERVE_TEST_THREADS=1 when something else is busy on the machine.

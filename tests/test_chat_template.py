@@ -10,7 +10,6 @@ from transformers import AutoTokenizer
 
 from model.chat_template import ChatTemplate, ChatTemplateError
 from model.tokenizer import Tokenizer
-from tests.tokenizer_reference import smollm2_hf_tokenizer, smollm2_metadata
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
@@ -52,28 +51,6 @@ FEATURE_TEMPLATE = """{{- bos_token }}
     {{ '\\n<|assistant|>' }}
 {% endif %}
 """
-
-
-@pytest.fixture(scope="module")
-def gguf_metadata() -> dict:
-    return smollm2_metadata()
-
-
-@pytest.fixture(scope="module")
-def tok(gguf_metadata) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(gguf_metadata)
-
-
-@pytest.fixture(scope="module")
-def hf_tok():
-    return smollm2_hf_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def hf_dir(hf_tok, tmp_path_factory):
-    path = tmp_path_factory.mktemp("smollm2-tokenizer")
-    hf_tok.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="module")

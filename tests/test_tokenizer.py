@@ -13,8 +13,6 @@ from transformers import AutoTokenizer
 from model.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
 from tests.tokenizer_reference import (
     build_corpus,
-    smollm2_hf_tokenizer,
-    smollm2_metadata,
     smollm_pre_tokenizer,
 )
 
@@ -58,28 +56,6 @@ def assert_same_ids(ours: Tokenizer, reference: list[list[int]], cases: list[str
 @pytest.fixture(scope="module")
 def cases() -> list[str]:
     return build_corpus()
-
-
-@pytest.fixture(scope="module")
-def gguf_metadata() -> dict:
-    return smollm2_metadata()
-
-
-@pytest.fixture(scope="module")
-def tok(gguf_metadata) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(gguf_metadata)
-
-
-@pytest.fixture(scope="module")
-def hf_tok():
-    return smollm2_hf_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def hf_dir(hf_tok, tmp_path_factory):
-    path = tmp_path_factory.mktemp("smollm2-tokenizer")
-    hf_tok.save_pretrained(path)
-    return path
 
 
 def test_corpus_covers_the_hard_cases(cases):
