@@ -12,7 +12,8 @@ import binascii
 import importlib.util
 from pathlib import Path
 
-from model.tokenizer import LLAMA3_PATTERN, Tokenizer, TokenizerError
+from model.pretokenizer import LLAMA3_PATTERN, TokenizerError
+from model.tokenizer import Tokenizer
 
 NUM_SPECIAL_TOKENS = 256
 # As in Meta's reference tokenizer; ids are assigned in this order after the BPE vocabulary.

@@ -1,13 +1,12 @@
 """Byte-level BPE tokenization on `tiktoken`, built from GGUF metadata or a `tokenizer.json`.
 
-Owns: text <-> token ids, special tokens, stop ids, and streaming detokenization that never
-emits half a UTF-8 character. Must never guess: an unknown pre-tokenizer, normalizer or vocabulary
+Owns: text <-> token ids, special tokens and stop ids (pre-tokenizer regexes live in
+pretokenizer.py, streaming detokenization in detokenizer.py). Must never guess: an unknown pre-tokenizer, normalizer or vocabulary
 shape is refused with a `TokenizerError` rather than tokenized slightly wrong, because a wrong
 split is silent (the model still answers, just worse). Build once at start-up; encoding runs in
 tiktoken's native code.
 """
 
-import codecs
 import json
 import logging
 import unicodedata
@@ -18,36 +17,13 @@ from typing import Any
 import numpy as np
 import tiktoken
 
+from model.pretokenizer import GPT2_PATTERN, PATTERN_BY_GGUF_PRE, TokenizerError, pattern_from_hf
+
 log = logging.getLogger(__name__)
 
-_GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-# `Digits(individual_digits=True)` then the GPT-2 regex, as one regex: every \p{N} is its own
-# piece, and the lookahead lets a following digit end a whitespace run ("  12" -> "  ", "1", "2").
-_DIGITS_GPT2_PATTERN = (
-    r"""\p{N}|'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?[^\s\p{L}\p{N}]+|\s+(?![^\s\p{N}])|\s+"""
-)
-LLAMA3_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"""
-    r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-_QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
-
-# `tokenizer.ggml.pre` names, grouped as llama.cpp's llama-vocab.cpp groups them by regex.
-_PATTERN_BY_GGUF_PRE = {
-    **dict.fromkeys(["gpt-2", "phi-2", "mpt", "olmo"], _GPT2_PATTERN),
-    **dict.fromkeys(["smollm", "starcoder", "refact", "codeshell"], _DIGITS_GPT2_PATTERN),
-    **dict.fromkeys(
-        ["llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"], LLAMA3_PATTERN
-    ),
-    **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2"], _QWEN2_PATTERN),
-}
 # Specials that end a turn or a document; generation stops on any of them, not only on eos.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>")
 _GGUF_CONTROL, _GGUF_USER_DEFINED, _GGUF_UNKNOWN, _GGUF_UNUSED = 3, 4, 2, 5
-
-
-class TokenizerError(ValueError):
-    """A tokenizer that cannot be built faithfully; the message says which field and why."""
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -58,25 +34,6 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     for n, b in enumerate(b for b in range(256) if b not in char_of):
         char_of[b] = chr(256 + n)
     return {c: b for b, c in char_of.items()}
-
-
-def _pattern_from_hf(pre: dict | None) -> str:
-    """Maps a `tokenizer.json` pre_tokenizer to one regex, for the shapes whose meaning we know."""
-    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre or {}]
-    *head, last = steps or [{}]
-    if last.get("type") == "ByteLevel" and not last.get("add_prefix_space"):
-        if last.get("use_regex", True) and not head:
-            return _GPT2_PATTERN
-        if last.get("use_regex", True) and head == [{"type": "Digits", "individual_digits": True}]:
-            return _DIGITS_GPT2_PATTERN
-        split = head[0] if len(head) == 1 and not last.get("use_regex", True) else {}
-        if split.get("type") == "Split" and split.get("behavior") == "Isolated":
-            if "Regex" in split.get("pattern", {}) and not split.get("invert"):
-                return split["pattern"]["Regex"]
-    raise TokenizerError(
-        f"tokenizer.json pre_tokenizer {json.dumps(pre)} is not a supported shape (ByteLevel, "
-        "Digits + ByteLevel, or a Split regex + ByteLevel without regex)"
-    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -230,7 +187,7 @@ class Tokenizer:
         pre = metadata.get("tokenizer.ggml.pre")
         if pre is None:
             log.warning("GGUF has no tokenizer.ggml.pre; using the GPT-2 pre-tokenizer")
-        elif pre not in _PATTERN_BY_GGUF_PRE:
+        elif pre not in PATTERN_BY_GGUF_PRE:
             raise TokenizerError(f"tokenizer.ggml.pre {pre!r} is not a known pre-tokenizer")
         tokens = metadata["tokenizer.ggml.tokens"]
         types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
@@ -252,7 +209,7 @@ class Tokenizer:
             tokens=tokens,
             merges=merges,
             added=added,
-            pattern=_PATTERN_BY_GGUF_PRE.get(pre or "gpt-2", _GPT2_PATTERN),
+            pattern=PATTERN_BY_GGUF_PRE.get(pre or "gpt-2", GPT2_PATTERN),
             eos_id=metadata["tokenizer.ggml.eos_token_id"],
             bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
             pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
@@ -274,7 +231,7 @@ class Tokenizer:
         normalizer = spec.get("normalizer")
         if normalizer not in (None, {"type": "NFC"}):
             raise TokenizerError(f"unsupported normalizer {json.dumps(normalizer)}")
-        pattern = _pattern_from_hf(spec.get("pre_tokenizer"))
+        pattern = pattern_from_hf(spec.get("pre_tokenizer"))
 
         id_of: dict[str, int] = dict(bpe.get("vocab", {}))
         added = {}
@@ -362,30 +319,3 @@ class Tokenizer:
 
     def is_special(self, token_id: int) -> bool:
         return token_id in self._skip_ids
-
-
-class IncrementalDetokenizer:
-    """Turns generated token ids into text as they arrive. A character whose UTF-8 bytes span
-    several tokens (an emoji is often three) is held back until complete, so a stream never shows
-    a replacement character that the final text does not have. Concatenating every `add()` and
-    the final `flush()` gives exactly `tokenizer.decode(ids)`."""
-
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: Sequence[int] = (), skip_special: bool = False
-    ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special = skip_special
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        # A character that starts in the prompt and ends in the output is emitted whole. Its
-        # start is at most 3 bytes, hence within the last 3 tokens; their text is discarded.
-        for token_id in prompt_ids[-3:]:
-            self._utf8.decode(tokenizer.token_bytes(token_id))
-
-    def add(self, token_id: int) -> str:
-        if self._skip_special and self._tokenizer.is_special(token_id):
-            return ""
-        return self._utf8.decode(self._tokenizer.token_bytes(token_id))
-
-    def flush(self) -> str:
-        """Ends the stream: bytes of an unfinished character come out as U+FFFD."""
-        return self._utf8.decode(b"", final=True)

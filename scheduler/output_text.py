@@ -5,7 +5,8 @@ string, so that a stop string is never sent, not even in part.
 
 from __future__ import annotations
 
-from model.tokenizer import IncrementalDetokenizer, Tokenizer
+from model.detokenizer import IncrementalDetokenizer
+from model.tokenizer import Tokenizer
 
 
 class OutputText:

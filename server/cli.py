@@ -137,8 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def generate(args: argparse.Namespace) -> int:
+    from model.detokenizer import IncrementalDetokenizer
     from model.greedy import greedy_tokens
-    from model.tokenizer import IncrementalDetokenizer
     from server.launch import ServeConfig, load
 
     loaded = load(

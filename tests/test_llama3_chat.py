@@ -6,7 +6,8 @@ import pytest
 from model.chat_template import ChatTemplate, ChatTemplateError
 from model.llama3_chat import Llama3ChatFormat, llama3_chat_format
 from model.llama3_tokenizer import llama3_tokenizer
-from model.tokenizer import LLAMA3_PATTERN, Tokenizer
+from model.pretokenizer import LLAMA3_PATTERN
+from model.tokenizer import Tokenizer
 from tests.meta_reference import ChatFormat, RawMessage, RawTextItem, meta_tokenizer_path
 
 DIALOGS = [

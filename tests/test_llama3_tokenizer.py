@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+from model.detokenizer import IncrementalDetokenizer
 from model.llama3_tokenizer import (
     LLAMA3_SPECIAL_TOKENS,
     bundled_tokenizer_path,
@@ -13,7 +14,7 @@ from model.llama3_tokenizer import (
     llama3_tokenizer,
     read_tiktoken_ranks,
 )
-from model.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from model.tokenizer import Tokenizer, TokenizerError
 from tests.meta_reference import LLAMA3_VOCAB, meta_tokenizer, meta_tokenizer_path
 from tests.tokenizer_reference import build_corpus
 

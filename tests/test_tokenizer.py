@@ -10,7 +10,8 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFBackend
 from transformers import AutoTokenizer
 
-from model.tokenizer import IncrementalDetokenizer, Tokenizer, TokenizerError
+from model.detokenizer import IncrementalDetokenizer
+from model.tokenizer import Tokenizer, TokenizerError
 from tests.tokenizer_reference import (
     build_corpus,
     smollm_pre_tokenizer,
