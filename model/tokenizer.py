@@ -2,9 +2,9 @@
 
 Owns: text <-> token ids, special tokens and stop ids (pre-tokenizer regexes live in
 pretokenizer.py, streaming detokenization in detokenizer.py). Must never guess: an unknown
-pre-tokenizer, normalizer or vocabulary shape is refused with a `TokenizerError` rather than tokenized slightly wrong, because a wrong
-split is silent (the model still answers, just worse). Build once at start-up; encoding runs in
-tiktoken's native code.
+pre-tokenizer, normalizer or vocabulary shape is refused with a `TokenizerError` rather than
+tokenized slightly wrong, because a wrong split is silent (the model still answers, just
+worse). Build once at start-up; encoding runs in tiktoken's native code.
 """
 
 import json
