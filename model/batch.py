@@ -44,10 +44,12 @@ class Batch:
         block_tables: list[list[int]],
         block_size: int,
         device: torch.device | str = "cpu",
-        all_logits: bool = False,
+        all_logits: bool | list[bool] = False,
     ) -> Batch:
         """token_ids[i]: the new tokens of sequence i; num_computed[i]: how many of its
-        tokens are already in the KV cache (the position of its first new token)."""
+        tokens are already in the KV cache (the position of its first new token).
+        all_logits: logits for every new token (of every sequence, or of those flagged)
+        rather than for the last one only; rows come out in sequence order."""
         query_lens = [len(t) for t in token_ids]
         seq_lens = [c + q for c, q in zip(num_computed, query_lens, strict=True)]
         starts = [0, *accumulate(query_lens)]
@@ -62,10 +64,21 @@ class Batch:
         positions = torch.tensor(num_computed, dtype=torch.int64)[seq_index] + offsets
         tables = torch.tensor(padded, dtype=torch.int64)
         slots = tables[seq_index, positions // block_size] * block_size + positions % block_size
-        if all_logits:
+        if all_logits is True:
             logits_indices = torch.arange(len(flat), dtype=torch.int64)
-        else:
+        elif not all_logits:
             logits_indices = start_loc[1:] - 1
+        else:
+            logits_indices = torch.tensor(
+                [
+                    i
+                    for seq, every in enumerate(all_logits)
+                    for i in (
+                        range(starts[seq], starts[seq + 1]) if every else [starts[seq + 1] - 1]
+                    )
+                ],
+                dtype=torch.int64,
+            )
         return cls(
             input_ids=torch.tensor(flat, dtype=torch.int64, device=device),
             positions=positions.to(device),

@@ -16,6 +16,7 @@ import torch
 
 from model.batch import Batch
 from model.llama import Llama
+from model.logprobs import token_logprobs
 from model.paged_cache import PagedKVCache
 from model.sampler import Sampler, SamplerOutput, SamplingMetadata
 from model.tokenizer import Tokenizer
@@ -123,6 +124,7 @@ class Engine:
         if not plan.scheduled:
             return [], self._fill_gauges(stats)
         requests = [r for r, _ in plan.scheduled]
+        every_row = [_needs_prompt_logits(r) for r in requests]
         batch = Batch.build(
             [
                 r.all_token_ids[r.num_computed_tokens : r.num_computed_tokens + n]
@@ -132,6 +134,7 @@ class Engine:
             [self.kv.block_table(r.request_id) for r in requests],
             self.kv.block_size,
             self.device,
+            all_logits=every_row if any(every_row) else False,
         )
         forward_started = time.monotonic()
         try:
@@ -142,17 +145,21 @@ class Engine:
             failed = [self._fail(r, "internal error in the model forward") for r in requests]
             return failed, self._fill_gauges(stats)
 
-        rows: list[int] = []
-        for i, (req, n) in enumerate(plan.scheduled):
+        rows: list[int] = []  # logits row of each sequence's last new token
+        first_row = 0
+        for (req, n), every in zip(plan.scheduled, every_row, strict=True):
+            if every:
+                self._collect_prompt_logprobs(req, logits[first_row : first_row + n])
+            first_row += n if every else 1
             req.num_computed_tokens += n
             stats.num_tokens += n
             if req.num_computed_tokens == req.num_tokens:
-                rows.append(i)
+                rows.append(first_row - 1)
                 if not req.output_ids:
                     self.scheduler.prompt_computed(req)
         outputs: list[RequestOutput] = []
         if rows:
-            sampled = [requests[i] for i in rows]
+            sampled = [r for r in requests if r.num_computed_tokens == r.num_tokens]
             try:
                 result = self.sampler(logits[rows], self._sampling_metadata(sampled))
             except Exception:
@@ -164,6 +171,25 @@ class Engine:
             outputs = self._append_tokens(sampled, result, stats)
         stats.step_time_s = time.monotonic() - started
         return outputs, self._fill_gauges(stats)
+
+    def _collect_prompt_logprobs(self, req: Request, logits: torch.Tensor) -> None:
+        """logits: one row per token of this step's chunk; the row at position p scores
+        prompt token p + 1. Positions already collected (before a preemption) are skipped."""
+        start = req.num_computed_tokens
+        first = len(req.prompt_logprobs)  # next position to score
+        end = min(start + logits.shape[0], len(req.prompt_ids) - 1)
+        if end <= first:
+            return
+        targets = torch.tensor(req.prompt_ids[first + 1 : end + 1], device=logits.device)
+        num_top = req.params.prompt_logprobs or 0
+        chosen, top_ids, top_lps = token_logprobs(
+            logits[first - start : end - start], targets, num_top
+        )
+        chosen_l = chosen.tolist()
+        ids_l = top_ids.tolist() if top_ids is not None else [[] for _ in chosen_l]
+        lps_l = top_lps.tolist() if top_lps is not None else [[] for _ in chosen_l]
+        for token, lp, ids, lps in zip(targets.tolist(), chosen_l, ids_l, lps_l, strict=True):
+            req.prompt_logprobs.append(TokenLogprob(token, lp, list(zip(ids, lps, strict=True))))
 
     def _sampling_metadata(self, reqs: list[Request]) -> SamplingMetadata:
         ps = [r.params for r in reqs]
@@ -259,6 +285,11 @@ class Engine:
             finished=reason is not None,
             finish_reason=reason,
             logprobs=t.pending_logprobs or None,
+            prompt_logprobs=(
+                req.prompt_logprobs
+                if params.prompt_logprobs is not None and len(req.output_ids) == 1
+                else None
+            ),
             num_prompt_tokens=len(req.prompt_ids),
             num_output_tokens=len(req.output_ids),
             num_cached_tokens=req.num_cached_tokens,
@@ -327,3 +358,12 @@ def create_engine(model: Llama, tokenizer: Tokenizer, config: EngineConfig | Non
         max_waiting=config.max_waiting,
     )
     return Engine(model, tokenizer, kv_cache, manager, sched)
+
+
+def _needs_prompt_logits(req: Request) -> bool:
+    """Whether this step's chunk holds prompt positions whose logprobs are still owed."""
+    return (
+        req.params.prompt_logprobs is not None
+        and req.num_computed_tokens < len(req.prompt_ids) - 1
+        and len(req.prompt_logprobs) < len(req.prompt_ids) - 1
+    )

@@ -39,6 +39,7 @@ class SamplingParams:
     ignore_eos: bool = False
     min_tokens: int = 0
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: also top N
+    prompt_logprobs: int | None = None  # the same for every prompt token after the first
     n: int = 1
     skip_special_tokens: bool = True
 
@@ -84,6 +85,11 @@ class SamplingParams:
             "logprobs",
             f"logprobs must be between 0 and 20, got {self.logprobs}",
         )
+        check(
+            self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+            "prompt_logprobs",
+            f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}",
+        )
         check(all(s for s in self.stop), "stop", "stop strings must not be empty")
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
@@ -120,6 +126,9 @@ class Request:
     num_preemptions: int = 0
     finish_reason: str | None = None
     generator: torch.Generator | None = None
+    # Logprobs of prompt tokens 1.. (token 0 has no context); filled while the prompt is
+    # computed, which is why such a request never starts from cached prefix blocks.
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
@@ -155,6 +164,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the first output only
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0

@@ -127,6 +127,7 @@ class Scheduler:
                 req.request_id, sibling.request_id, len(sibling.prompt_ids)
             )
             sibling.num_cached_tokens = sibling.num_computed_tokens
+            sibling.prompt_logprobs = list(req.prompt_logprobs)  # same prompt, same logprobs
             self.waiting.appendleft(sibling)
 
     def schedule(self) -> SchedulerOutput:
@@ -162,8 +163,15 @@ class Scheduler:
             req = self.waiting[0]
             holds_blocks = bool(self.kv.block_table(req.request_id))
             if not holds_blocks:
-                req.num_computed_tokens = self.kv.get_computed_blocks(
-                    req.request_id, req.all_token_ids
+                # Prompt logprobs need the logits of every prompt position: no cached prefix.
+                wants_prompt_logits = (
+                    req.params.prompt_logprobs is not None
+                    and len(req.prompt_logprobs) < len(req.prompt_ids) - 1
+                )
+                req.num_computed_tokens = (
+                    0
+                    if wants_prompt_logits
+                    else self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
                 )
                 if req.first_scheduled_time is None:
                     req.num_cached_tokens = req.num_computed_tokens

@@ -38,17 +38,26 @@ def prompt_ids(req: CompletionRequest, state: ServerState) -> list[list[int]]:
     return result
 
 
-def legacy_logprobs(entries: list[TokenLogprob], state: ServerState, offset: int) -> dict[str, Any]:
+def legacy_logprobs(
+    entries: list[TokenLogprob],
+    state: ServerState,
+    offset: int,
+    leading_token: int | None = None,
+) -> dict[str, Any]:
+    """OpenAI's legacy format. `leading_token`: an echoed prompt's first token, which has
+    no logprob (nothing precedes it) and is reported as null."""
     decode = state.tokenizer.decode
-    tokens = [decode([e.token_id]) for e in entries]
+    lead = [] if leading_token is None else [leading_token]
+    tokens = [decode([t]) for t in lead] + [decode([e.token_id]) for e in entries]
     offsets, pos = [], offset
     for t in tokens:
         offsets.append(pos)
         pos += len(t)
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{decode([i]): lp for i, lp in e.top} for e in entries],
+        "token_logprobs": [None] * len(lead) + [e.logprob for e in entries],
+        "top_logprobs": [None] * len(lead)
+        + [{decode([i]): lp for i, lp in e.top} for e in entries],
         "text_offset": offsets,
     }
 
@@ -56,15 +65,14 @@ def legacy_logprobs(entries: list[TokenLogprob], state: ServerState, offset: int
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Any:
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    if req.echo and req.logprobs is not None:
-        raise APIError(400, "echo together with logprobs is not supported", "echo")
     prompts = prompt_ids(req, state)
     max_tokens_field = req.max_tokens
     jobs = []
     rid = raw.state.request_id
     for i, ids in enumerate(prompts):
         max_tokens = resolve_max_tokens(max_tokens_field, len(ids), state, "max_tokens")
-        params = sampling_params(req, max_tokens, req.logprobs, state)
+        prompt_logprobs = req.logprobs if req.echo else None
+        params = sampling_params(req, max_tokens, req.logprobs, state, prompt_logprobs)
         jobs.append((f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params))
     raw.state.prompt_tokens = sum(len(ids) for ids in prompts)
     streams = await admit(state, jobs)
@@ -104,6 +112,7 @@ async def _collect(
     n = req.n
     texts = {(p, i): echo[p] for p in range(len(prompts)) for i in range(n)}
     logprobs: dict[tuple[int, int], list[TokenLogprob]] = {k: [] for k in texts}
+    echoed: dict[tuple[int, int], list[TokenLogprob]] = {}
     reasons: dict[tuple[int, int], str | None] = {}
     completion_tokens = 0
     async for p, out in merge(streams):
@@ -112,6 +121,8 @@ async def _collect(
             raise APIError(500, f"generation failed: {out.error}")
         texts[key] += out.new_text
         logprobs[key] += out.logprobs or []
+        if out.prompt_logprobs is not None:
+            echoed[key] = out.prompt_logprobs
         if out.finished:
             reasons[key] = out.finish_reason
             completion_tokens += out.num_output_tokens
@@ -119,8 +130,11 @@ async def _collect(
     choices = []
     for (p, i), text in texts.items():
         choice: dict[str, Any] = {"index": p * n + i, "text": text, "logprobs": None}
-        if req.logprobs is not None:
-            choice["logprobs"] = legacy_logprobs(logprobs[(p, i)], state, len(echo[p]))
+        if req.logprobs is not None and req.echo:
+            entries = echoed.get((p, i), []) + logprobs[(p, i)]
+            choice["logprobs"] = legacy_logprobs(entries, state, 0, prompts[p][0])
+        elif req.logprobs is not None:
+            choice["logprobs"] = legacy_logprobs(logprobs[(p, i)], state, 0)
         choice["finish_reason"] = reasons.get((p, i))
         choices.append(choice)
     return JSONResponse({**header, "choices": choices, "usage": _usage(prompts, completion_tokens)})
@@ -140,16 +154,23 @@ async def _stream(
     usage_field = {"usage": None} if include_usage else {}
     offsets = {(p, i): len(echo[p]) for p in range(len(prompts)) for i in range(n)}
     completion_tokens = 0
-    if req.echo:
-        for p, i in offsets:
-            choice = {"index": p * n + i, "text": echo[p], "logprobs": None, "finish_reason": None}
-            yield sse({**header, "choices": [choice], **usage_field})
+    echoed: set[tuple[int, int]] = set()
     async for p, out in merge(streams):
         out: RequestOutput
         if out.error is not None:
             yield sse(error_body(500, f"generation failed: {out.error}"))
             break
         key = (p, out.index)
+        if req.echo and key not in echoed:
+            # The echo goes first, once the prompt's logprobs (if asked for) are known.
+            echoed.add(key)
+            lp = None
+            if req.logprobs is not None:
+                lp = legacy_logprobs(out.prompt_logprobs or [], state, 0, prompts[p][0])
+            echo_choice = {"index": p * n + out.index, "text": echo[p], "logprobs": lp}
+            yield sse(
+                {**header, "choices": [{**echo_choice, "finish_reason": None}], **usage_field}
+            )
         choice = {"index": p * n + out.index, "text": out.new_text, "logprobs": None}
         if req.logprobs is not None:
             choice["logprobs"] = legacy_logprobs(out.logprobs or [], state, offsets[key])

@@ -47,7 +47,11 @@ def resolve_max_tokens(
 
 
 def sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, state: ServerState
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    state: ServerState,
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
@@ -85,6 +89,7 @@ def sampling_params(
             ignore_eos=req.ignore_eos,
             min_tokens=req.min_tokens,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             n=req.n,
             skip_special_tokens=req.skip_special_tokens,
         )

@@ -144,6 +144,30 @@ def test_completion_echo(client, model_name, tok, reference):
     assert r.usage.completion_tokens == 5
 
 
+def test_completion_echo_with_logprobs(client, model_name, tok, reference, hf_default):
+    """Prompt logprobs (what evaluation harnesses read) equal transformers' teacher-forced
+    log-softmax; the first prompt token has none."""
+    hf, _ = hf_default
+    text = PROMPTS[0]
+    ids = tok.encode(text)
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    r = client.completions.create(
+        model=model_name, prompt=text, max_tokens=3, temperature=0, echo=True, logprobs=2
+    )
+    lp = r.choices[0].logprobs
+    generated = reference(ids, 3)
+    assert r.choices[0].text == text + visible(generated, tok)
+    assert lp.tokens == [tok.decode([t]) for t in ids + generated]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for pos in range(1, len(ids)):
+        assert lp.token_logprobs[pos] == pytest.approx(ref[pos - 1, ids[pos]].item(), abs=1e-3)
+        want = {tok.decode([t]) for t in ref[pos - 1].topk(2).indices.tolist()}
+        assert set(lp.top_logprobs[pos]) == want
+    assert all(v is not None for v in lp.token_logprobs[len(ids) :])
+    assert r.usage.prompt_tokens == len(ids) and r.usage.completion_tokens == 3
+
+
 def test_completion_stop_string(client, model_name, tok, reference):
     ids = tok.encode(PROMPTS[0])
     full = visible(reference(ids), tok)

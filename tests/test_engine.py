@@ -240,3 +240,27 @@ def test_largest_seed_with_n_siblings(ours_default, prompts):
     again = SamplingParams(max_tokens=3, temperature=1.0, n=3, seed=-1)
     results2, _ = run_engine(engine_for(ours_default), {"s": (prompts[1], again)})
     assert all(results2[("s", i)].token_ids == results[("s", i)].token_ids for i in range(3))
+
+
+@pytest.mark.parametrize("budget", [2048, 7])
+def test_prompt_logprobs_match_transformers(ours_default, hf_default, prompts, budget):
+    """Prompt logprobs (echo + logprobs) equal transformers' teacher-forced log-softmax,
+    also when the prompt is prefilled in chunks and when its prefix is already cached."""
+    hf, _ = hf_default
+    ids = prompts[6]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([ids])).logits[0].float(), dim=-1)
+    engine = engine_for(ours_default, max_num_batched_tokens=budget)
+    params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=3)
+    warm, _ = run_engine(engine, {"warm": (ids, greedy(2))})  # caches the prefix blocks
+    results, _ = run_engine(engine, {"p": (ids, params)})
+    first = results[("p", 0)].outputs[0]
+    got = first.prompt_logprobs
+    assert got is not None and len(got) == len(ids) - 1
+    for pos, entry in enumerate(got, start=1):
+        assert entry.token_id == ids[pos]
+        assert abs(entry.logprob - ref[pos - 1, ids[pos]].item()) < 1e-3
+        want_top = ref[pos - 1].topk(3)
+        assert [t for t, _ in entry.top] == want_top.indices.tolist()
+    assert all(o.prompt_logprobs is None for o in results[("p", 0)].outputs[1:])
+    assert results[("p", 0)].token_ids == warm[("warm", 0)].token_ids
