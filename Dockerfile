@@ -4,9 +4,10 @@
 #   docker build -t llamaserve .
 #   docker run -p 8000:8000 llamaserve
 #
-# For NVIDIA GPUs, build torch with CUDA (PyPI's Linux wheels carry it) and pass the device:
+# For NVIDIA GPUs, build torch with CUDA (an empty index URL means pip's default index, whose
+# Linux wheels carry it) and pass the device:
 #
-#   docker build --build-arg TORCH_INDEX_URL=https://pypi.org/simple -t llamaserve:cuda .
+#   docker build --build-arg TORCH_INDEX_URL= -t llamaserve:cuda .
 #   docker run --gpus all -p 8000:8000 llamaserve:cuda --device cuda
 #
 # Arguments after the image name are appended to `llamaserve serve --host 0.0.0.0 --port 8000`
@@ -24,7 +25,7 @@ ENV PATH=/opt/llamaserve/bin:$PATH
 WORKDIR /src
 # The same steps as `make install`, in its order: torch first, on its own (as a dependency
 # of something else pip would pick its own build), then the project, then the model.
-RUN python -m pip install --index-url "$TORCH_INDEX_URL" "$TORCH"
+RUN python -m pip install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "$TORCH"
 COPY pyproject.toml README.md ./
 COPY model ./model
 COPY scheduler ./scheduler
