@@ -42,6 +42,13 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tokenizer", default=None, help="tokenizer.model for --random-weights (Llama 3 format)"
     )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice). On a shared machine use the "
+        "number of idle cores: threads waiting on a busy core make every step many times slower",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -208,6 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     from model.loader import ModelFileError, UnsupportedModelError
 
     args = build_parser().parse_args(argv)
+    if args.threads is not None:
+        if args.threads < 1:
+            print("llamaserve: --threads must be at least 1", file=sys.stderr)
+            return 2
+        torch.set_num_threads(args.threads)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

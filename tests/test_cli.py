@@ -89,11 +89,16 @@ def test_unsupported_hf_architecture(tmp_path):
     assert_one_clear_sentence(result, "gpt2")
 
 
+def test_bad_thread_count():
+    result = run_cli("generate", "hi", "--threads", "0")
+    assert_one_clear_sentence(result, "--threads")
+
+
 @pytest.mark.slow
 def test_generate_prints_greedy_text(ours_default):
     prompt = "The capital of France is"
     ids = ours_default.tokenizer.encode(prompt)
     expected = ours_default.tokenizer.decode(list(greedy_tokens(ours_default.model, ids, 12)))
-    result = run_cli("generate", prompt, "--max-tokens", "12")
+    result = run_cli("generate", prompt, "--max-tokens", "12", "--threads", "1")
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == expected
