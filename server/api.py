@@ -57,7 +57,11 @@ def build_app(
     def check_model(model: str | None) -> None:
         if not state.serves(model):
             raise APIError(
-                404, f"the model `{model}` does not exist", "model", code="model_not_found"
+                404,
+                # A name is echoed only in part: a client may send megabytes of it.
+                f"the model `{(model or '')[:200]}` does not exist",
+                "model",
+                code="model_not_found",
             )
 
     guarded = [Depends(authorized)]

@@ -142,6 +142,11 @@ def test_unknown_model_is_404(client, live_server):
     assert_error(
         client.post(CHAT, json={"model": "gpt-9", "messages": USER_HI, "max_tokens": 1}), 404
     )
+    huge = "m" * 100_000
+    error = assert_error(
+        client.post(COMPLETIONS, json={"model": huge, "prompt": "Hi", "max_tokens": 1}), 404
+    )
+    assert len(error["message"]) < 1000  # the name is echoed only in part
 
 
 def test_unknown_route_is_404_in_openai_shape(client, live_server):
