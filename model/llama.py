@@ -19,7 +19,7 @@ from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
 from model.config import ModelConfig
 from model.paged_cache import PagedKVCache
-from model.rope import RotaryEmbedding
+from model.rope import RotaryEmbedding, apply_rope
 
 
 class RMSNorm(nn.Module):
@@ -50,7 +50,7 @@ class DecoderLayer(nn.Module):
         self,
         h: torch.Tensor,
         batch: Batch,
-        rope: RotaryEmbedding,
+        rope: tuple[torch.Tensor, torch.Tensor],
         attention: AttentionBackend,
         plan: object,
         k_cache: torch.Tensor,
@@ -62,7 +62,7 @@ class DecoderLayer(nn.Module):
         q = q.view(-1, c.n_heads, c.head_dim)
         k = k.view(-1, c.n_kv_heads, c.head_dim)
         v = v.view(-1, c.n_kv_heads, c.head_dim)
-        q, k = rope(batch.positions, q, k)
+        q, k = apply_rope(q, k, *rope)
         attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=c.head_dim**-0.5)
         h = h + self.o_proj(attn.reshape(-1, c.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
@@ -135,9 +135,10 @@ class Llama(nn.Module):
         """Logits [len(batch.logits_indices), vocab] in fp32."""
         plan = self.attention.plan(batch)
         h = self.embed_tokens(batch.input_ids)
+        rope = self.rope(batch.positions)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            h = layer(h, batch, self.rope, self.attention, plan, k_cache, v_cache)
+            h = layer(h, batch, rope, self.attention, plan, k_cache, v_cache)
         h = self.norm(h[batch.logits_indices])
         return self.lm_head(h).float()
 

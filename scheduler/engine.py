@@ -257,7 +257,7 @@ class Engine:
         else:
             stats.inter_token_s.append(now - (req.last_token_time or now))
         req.last_token_time = now
-        req.output_ids.append(token)
+        req.append_output(token)
         stats.num_generated += 1
         if logprob is not None:
             t.pending_logprobs.append(logprob)

@@ -132,14 +132,20 @@ class Request:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    # prompt + outputs, kept as one list: the scheduler and the batch read it every step,
+    # and concatenating a long context per request per step is wasted copying.
+    all_token_ids: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_ids + self.output_ids
+
+    def append_output(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        return len(self.all_token_ids)
 
     @property
     def finished(self) -> bool:
