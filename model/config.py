@@ -12,11 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from model.errors import UnsupportedModelError
+
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-class UnsupportedModelError(ValueError):
-    """The checkpoint is readable but describes a network llamaserve does not run."""
 
 
 @dataclass(frozen=True)

@@ -18,28 +18,26 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from model.chat_template import ChatTemplate
-from model.config import ModelConfig, UnsupportedModelError
-from model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from model.config import ModelConfig
+from model.errors import ModelFileError, TokenizerError, UnsupportedModelError
 from model.llama import Llama
-from model.llama3_chat import llama3_chat_format
-from model.llama3_tokenizer import bundled_tokenizer_path, llama3_byte_tokenizer, llama3_tokenizer
 from model.presets import preset_config
-from model.tokenizer import Tokenizer, TokenizerError
+from model.text.chat_template import ChatTemplate
+from model.text.llama3_chat import llama3_chat_format
+from model.text.llama3_tokenizer import (
+    bundled_tokenizer_path,
+    llama3_byte_tokenizer,
+    llama3_tokenizer,
+)
+from model.text.tokenizer import Tokenizer
+from model.text.tokenizer_files import tokenizer_from_gguf, tokenizer_from_hf_dir
+from model.weights.default_model import DEFAULT_MODEL_NAME, default_model_path
 from model.weights.gguf import check_tensor_types, count_gguf_tensors, iter_gguf_weights
-from model.weights.gguf_file import ModelFileError, open_gguf
+from model.weights.gguf_file import open_gguf
 from model.weights.meta import count_meta_tensors, iter_meta_weights, open_meta_checkpoint
 from model.weights.safetensors import count_tensors, iter_safetensors, safetensors_files
 
 logger = logging.getLogger(__name__)
-
-__all__ = [
-    "LoadedModel",
-    "ModelFileError",
-    "UnsupportedModelError",
-    "load_model",
-    "load_random_model",
-]
 
 
 @dataclass
@@ -66,7 +64,7 @@ def load_model(
         files = safetensors_files(path)
         total = count_tensors(files)
         weights: Iterator[tuple[str, torch.Tensor]] = iter_safetensors(files, dtype)
-        tokenizer = Tokenizer.from_hf_dir(path)
+        tokenizer = tokenizer_from_hf_dir(path)
         template = ChatTemplate.from_hf_dir(path, tokenizer)
         name = path.name
     elif path.is_dir() and (path / "params.json").is_file():
@@ -92,7 +90,7 @@ def load_model(
         config = ModelConfig.from_gguf_metadata(gguf.metadata, names, source=str(path))
         total = count_gguf_tensors(gguf)
         weights = iter_gguf_weights(gguf, config, dtype)
-        tokenizer = Tokenizer.from_gguf_metadata(gguf.metadata)
+        tokenizer = tokenizer_from_gguf(gguf.metadata)
         template = ChatTemplate.from_gguf_metadata(gguf.metadata, tokenizer)
         name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
     elif path.exists():

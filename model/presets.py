@@ -6,7 +6,8 @@ those of the published HF configs (Llama 3.2 1B/3B, Llama 3.1 8B/70B); the FFN w
 derived from Meta's `params.json` values, as Meta's code derives them.
 """
 
-from model.config import ModelConfig, RopeScaling, UnsupportedModelError, meta_ffn_dim
+from model.config import ModelConfig, RopeScaling, meta_ffn_dim
+from model.errors import UnsupportedModelError
 
 _LLAMA31_ROPE = RopeScaling(rope_type="llama3", factor=8.0, original_max_position=8192)
 _LLAMA32_ROPE = RopeScaling(rope_type="llama3", factor=32.0, original_max_position=8192)

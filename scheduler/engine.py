@@ -19,7 +19,7 @@ from model.llama import Llama
 from model.logprobs import token_logprobs
 from model.paged_cache import PagedKVCache
 from model.sampler import Sampler, SamplerOutput, SamplingMetadata
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 from scheduler.config import EngineConfig, plan_kv_capacity
 from scheduler.kv_cache import KVCacheManager
 from scheduler.output_text import OutputText

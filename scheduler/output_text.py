@@ -5,8 +5,8 @@ string, so that a stop string is never sent, not even in part.
 
 from __future__ import annotations
 
-from model.detokenizer import IncrementalDetokenizer
-from model.tokenizer import Tokenizer
+from model.text.detokenizer import IncrementalDetokenizer
+from model.text.tokenizer import Tokenizer
 
 
 class OutputText:

@@ -10,7 +10,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from model.chat_template import ChatTemplateError
+from model.text.chat_template import ChatTemplateError
 from scheduler.request import TokenLogprob
 from server.completions import SSE_HEADERS
 from server.errors import APIError, error_body

@@ -144,8 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def generate(args: argparse.Namespace) -> int:
-    from model.detokenizer import IncrementalDetokenizer
     from model.greedy import greedy_tokens
+    from model.text.detokenizer import IncrementalDetokenizer
     from server.launch import ServeConfig, load
 
     loaded = load(
@@ -212,7 +212,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from model.loader import ModelFileError, UnsupportedModelError
+    from model.errors import ModelFileError, UnsupportedModelError
 
     args = build_parser().parse_args(argv)
     if args.threads is not None:

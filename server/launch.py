@@ -14,7 +14,8 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
-from model.loader import LoadedModel, UnsupportedModelError, load_model, load_random_model
+from model.errors import UnsupportedModelError
+from model.loader import LoadedModel, load_model, load_random_model
 from scheduler.async_engine import AsyncEngine
 from scheduler.config import EngineConfig
 from scheduler.engine import create_engine

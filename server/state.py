@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from model.chat_template import ChatTemplate
-from model.tokenizer import Tokenizer
+from model.text.chat_template import ChatTemplate
+from model.text.tokenizer import Tokenizer
 from scheduler.async_engine import AsyncEngine
 
 

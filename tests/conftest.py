@@ -31,7 +31,7 @@ def hf_default():
     from tokenizers import pre_tokenizers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from model.default_model import default_model_path
+    from model.weights.default_model import default_model_path
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -4,7 +4,8 @@ HF directory. Loaded once per session; a module may define its own `tok` to over
 
 import pytest
 
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
+from model.text.tokenizer_files import tokenizer_from_gguf
 from tests.tokenizer_reference import smollm2_hf_tokenizer, smollm2_metadata
 
 
@@ -15,7 +16,7 @@ def gguf_metadata() -> dict:
 
 @pytest.fixture(scope="session")
 def tok(gguf_metadata) -> Tokenizer:
-    return Tokenizer.from_gguf_metadata(gguf_metadata)
+    return tokenizer_from_gguf(gguf_metadata)
 
 
 @pytest.fixture(scope="session")

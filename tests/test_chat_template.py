@@ -1,4 +1,4 @@
-"""model/chat_template.py against `transformers.apply_chat_template`, for the default GGUF's
+"""model/text/chat_template.py against `transformers.apply_chat_template`, for the default GGUF's
 template, the same template saved in a tokenizer directory, and a template that uses the
 helpers transformers provides (tojson, loop controls, raise_exception, strftime_now)."""
 
@@ -8,8 +8,8 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
-from model.chat_template import ChatTemplate, ChatTemplateError
-from model.tokenizer import Tokenizer
+from model.text.chat_template import ChatTemplate, ChatTemplateError
+from model.text.tokenizer_files import tokenizer_from_hf_dir
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Hi!"}],
@@ -56,7 +56,7 @@ FEATURE_TEMPLATE = """{{- bos_token }}
 @pytest.fixture(scope="module")
 def hf_dir_pair(hf_dir):
     """transformers' and our tokenizer, both loaded from the saved directory."""
-    return AutoTokenizer.from_pretrained(hf_dir), Tokenizer.from_hf_dir(hf_dir)
+    return AutoTokenizer.from_pretrained(hf_dir), tokenizer_from_hf_dir(hf_dir)
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])

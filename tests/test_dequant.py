@@ -12,7 +12,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from model.default_model import default_model_path
+from model.weights.default_model import default_model_path
 from model.weights.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
 
 T = GGMLQuantizationType

@@ -1,13 +1,14 @@
-"""model/llama3_chat.py against Meta's reference `ChatFormat` (PyPI `llama-models`): prompt ids for
-multi-turn system/user/assistant/tool dialogues, token for token, on the real Llama 3 tokenizer."""
+"""model/text/llama3_chat.py against Meta's reference `ChatFormat` (PyPI `llama-models`): prompt
+ids for multi-turn system/user/assistant/tool dialogues, token for token, on the real Llama 3
+tokenizer."""
 
 import pytest
 
-from model.chat_template import ChatTemplate, ChatTemplateError
-from model.llama3_chat import Llama3ChatFormat, llama3_chat_format
-from model.llama3_tokenizer import llama3_tokenizer
-from model.pretokenizer import LLAMA3_PATTERN
-from model.tokenizer import Tokenizer
+from model.text.chat_template import ChatTemplate, ChatTemplateError
+from model.text.llama3_chat import Llama3ChatFormat, llama3_chat_format
+from model.text.llama3_tokenizer import llama3_tokenizer
+from model.text.pretokenizer import LLAMA3_PATTERN
+from model.text.tokenizer import Tokenizer
 from tests.meta_reference import ChatFormat, RawMessage, RawTextItem, meta_tokenizer_path
 
 DIALOGS = [

@@ -1,20 +1,21 @@
-"""model/llama3_tokenizer.py against Meta's reference Llama 3 tokenizer (PyPI `llama-models`) on
-its real `tokenizer.model`: token ids on a multilingual corpus with special tokens disallowed and
+"""model/text/llama3_tokenizer.py against Meta's reference Llama 3 tokenizer (PyPI `llama-models`)
+on its real `tokenizer.model`: token ids on a multilingual corpus with special tokens disallowed and
 allowed, special-token ids and stop tokens, decoding, and refusal of other file formats."""
 
 import random
 
 import pytest
 
-from model.detokenizer import IncrementalDetokenizer
-from model.llama3_tokenizer import (
+from model.errors import TokenizerError
+from model.text.detokenizer import IncrementalDetokenizer
+from model.text.llama3_tokenizer import (
     LLAMA3_SPECIAL_TOKENS,
     bundled_tokenizer_path,
     llama3_byte_tokenizer,
     llama3_tokenizer,
     read_tiktoken_ranks,
 )
-from model.tokenizer import Tokenizer, TokenizerError
+from model.text.tokenizer import Tokenizer
 from tests.meta_reference import LLAMA3_VOCAB, meta_tokenizer, meta_tokenizer_path
 from tests.tokenizer_reference import build_corpus
 

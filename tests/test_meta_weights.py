@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from model.batch import Batch
-from model.config import ModelConfig, UnsupportedModelError
+from model.config import ModelConfig
+from model.errors import ModelFileError, UnsupportedModelError
 from model.llama import Llama
-from model.llama3_chat import Llama3ChatFormat
-from model.loader import ModelFileError, load_model
+from model.loader import load_model
 from model.paged_cache import PagedKVCache
+from model.text.llama3_chat import Llama3ChatFormat
 from model.weights.safetensors import iter_safetensors, safetensors_files
 from tests.meta_reference import (
     LLAMA3_VOCAB,

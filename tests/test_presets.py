@@ -9,12 +9,13 @@ import torch
 from llama_models.sku_list import resolve_model
 
 from model import loader
-from model.config import ModelConfig, UnsupportedModelError, meta_ffn_dim
+from model.config import ModelConfig, meta_ffn_dim
+from model.errors import UnsupportedModelError
 from model.greedy import greedy_tokens
 from model.llama import Llama
-from model.llama3_chat import Llama3ChatFormat
 from model.presets import PRESETS, preset_config
 from model.rope import inverse_frequencies
+from model.text.llama3_chat import Llama3ChatFormat
 from tests.meta_reference import meta_model_module, meta_tokenizer, meta_tokenizer_path
 
 # Parameter counts of the published checkpoints (HF safetensors totals; 1B and 3B tie their

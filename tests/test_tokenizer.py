@@ -1,4 +1,4 @@
-"""model/tokenizer.py against independent references: transformers' tokenizer for the default
+"""model/text/tokenizer.py against independent references: transformers' tokenizer for the default
 GGUF (with its digit pre-tokenizer restored, FACTS.md Trap 2) and for `tokenizer.json`
 directories, including small BPE vocabularies trained here for the other pre-tokenizer shapes."""
 
@@ -10,8 +10,10 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFBackend
 from transformers import AutoTokenizer
 
-from model.detokenizer import IncrementalDetokenizer
-from model.tokenizer import Tokenizer, TokenizerError
+from model.errors import TokenizerError
+from model.text.detokenizer import IncrementalDetokenizer
+from model.text.tokenizer import Tokenizer
+from model.text.tokenizer_files import tokenizer_from_gguf, tokenizer_from_hf_dir
 from tests.tokenizer_reference import (
     build_corpus,
     smollm_pre_tokenizer,
@@ -85,7 +87,7 @@ def test_known_ids_from_llama_cpp(tok):
 
 
 def test_hf_dir_ids_match_transformers(tok, hf_dir, cases):
-    ours = Tokenizer.from_hf_dir(hf_dir)
+    ours = tokenizer_from_hf_dir(hf_dir)
     reference = AutoTokenizer.from_pretrained(hf_dir)(cases, add_special_tokens=False)
     assert_same_ids(ours, reference["input_ids"], cases)
     attributes = ("vocab_size", "bos_id", "eos_id", "pad_id", "add_bos", "stop_ids")
@@ -171,9 +173,9 @@ def test_incremental_detokenizer_matches_decode_on_invalid_utf8(tok):
 
 def test_unknown_pre_tokenizers_are_refused(gguf_metadata, trained, tmp_path):
     with pytest.raises(TokenizerError, match="no-such-pre"):
-        Tokenizer.from_gguf_metadata({**gguf_metadata, "tokenizer.ggml.pre": "no-such-pre"})
+        tokenizer_from_gguf({**gguf_metadata, "tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(TokenizerError, match="'llama'"):
-        Tokenizer.from_gguf_metadata({**gguf_metadata, "tokenizer.ggml.model": "llama"})
+        tokenizer_from_gguf({**gguf_metadata, "tokenizer.ggml.model": "llama"})
     shapes = [
         {"type": "Metaspace", "replacement": "▁"},
         {"type": "Whitespace"},
@@ -190,10 +192,10 @@ def test_unknown_pre_tokenizers_are_refused(gguf_metadata, trained, tmp_path):
     for n, shape in enumerate(shapes):
         write_hf_dir(tmp_path / str(n), {**trained, "pre_tokenizer": shape})
         with pytest.raises(TokenizerError, match="pre_tokenizer"):
-            Tokenizer.from_hf_dir(tmp_path / str(n))
+            tokenizer_from_hf_dir(tmp_path / str(n))
     write_hf_dir(tmp_path / "nfkc", {**trained, "normalizer": {"type": "NFKC"}})
     with pytest.raises(TokenizerError, match="normalizer"):
-        Tokenizer.from_hf_dir(tmp_path / "nfkc")
+        tokenizer_from_hf_dir(tmp_path / "nfkc")
     assert issubclass(TokenizerError, ValueError)
 
 
@@ -253,7 +255,7 @@ def test_trained_hf_dirs_match_transformers(trained, cases, tmp_path, shape):
     write_hf_dir(tmp_path / shape, spec)
     texts = [*cases, "use <tool> now", "<tool><tool>x", "Cafe\u0301"]
     hf = AutoTokenizer.from_pretrained(tmp_path / shape)
-    ours = Tokenizer.from_hf_dir(tmp_path / shape)
+    ours = tokenizer_from_hf_dir(tmp_path / shape)
     reference = hf(texts)["input_ids"]
     assert_same_ids(ours, reference, texts)
     assert ours.add_bos == (shape == "llama3") and ours.bos_id == 1 and ours.eos_id == 0
@@ -281,7 +283,7 @@ def test_gguf_pre_tokenizer_names(trained, cases, gguf_pre, reference_pre):
         "tokenizer.ggml.merges": [" ".join(m) for m in trained["model"]["merges"]],
         "tokenizer.ggml.eos_token_id": 0,
     }
-    ours = Tokenizer.from_gguf_metadata(metadata)
+    ours = tokenizer_from_gguf(metadata)
     texts = [*cases, "use <tool> now", "<tool><tool>x"]
     expected = [e.ids for e in reference.encode_batch(texts, add_special_tokens=False)]
     assert_same_ids(ours, expected, texts)

@@ -16,7 +16,7 @@ from typing import Any
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from model.default_model import default_model_path
+from model.weights.default_model import default_model_path
 from model.weights.gguf_file import open_gguf
 
 PROSE_WORDS = (

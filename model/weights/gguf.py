@@ -14,8 +14,9 @@ import numpy as np
 import torch
 
 from model.config import ModelConfig
+from model.errors import ModelFileError
 from model.weights.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
-from model.weights.gguf_file import GGUFFile, ModelFileError
+from model.weights.gguf_file import GGUFFile
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",

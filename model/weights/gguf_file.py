@@ -10,9 +10,7 @@ from typing import Any
 
 from gguf import GGUFReader, GGUFValueType
 
-
-class ModelFileError(ValueError):
-    """A model file that cannot be used; the message is one sentence naming file and problem."""
+from model.errors import ModelFileError
 
 
 @dataclass

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from model.weights.gguf_file import ModelFileError
+from model.errors import ModelFileError
 
 
 def safetensors_files(directory: Path) -> list[Path]:

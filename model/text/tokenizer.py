@@ -1,4 +1,5 @@
-"""Byte-level BPE tokenization on `tiktoken`, built from GGUF metadata or a `tokenizer.json`.
+"""Byte-level BPE tokenization on `tiktoken`, built from the vocabulary a
+checkpoint holds (read by tokenizer_files.py).
 
 Owns: text <-> token ids, special tokens and stop ids (pre-tokenizer regexes live in
 pretokenizer.py, streaming detokenization in detokenizer.py). Must never guess: an unknown
@@ -7,23 +8,19 @@ tokenized slightly wrong, because a wrong split is silent (the model still answe
 worse). Build once at start-up; encoding runs in tiktoken's native code.
 """
 
-import json
 import logging
 import unicodedata
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import tiktoken
 
-from model.pretokenizer import GPT2_PATTERN, PATTERN_BY_GGUF_PRE, TokenizerError, pattern_from_hf
+from model.errors import TokenizerError
 
 log = logging.getLogger(__name__)
 
 # Specials that end a turn or a document; generation stops on any of them, not only on eos.
 _END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>")
-_GGUF_CONTROL, _GGUF_USER_DEFINED, _GGUF_UNKNOWN, _GGUF_UNUSED = 3, 4, 2, 5
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -34,21 +31,6 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     for n, b in enumerate(b for b in range(256) if b not in char_of):
         char_of[b] = chr(256 + n)
     return {c: b for b, c in char_of.items()}
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    """A missing optional file reads as {}; an unreadable one is an error naming the file."""
-    if not path.is_file():
-        return {}
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise TokenizerError(f"{path} cannot be read: {exc}") from None
-
-
-def _token_content(value: Any) -> str | None:
-    """tokenizer_config.json stores a special token as a string or as a serialized AddedToken."""
-    return value.get("content") if isinstance(value, dict) else value
 
 
 class Tokenizer:
@@ -178,108 +160,6 @@ class Tokenizer:
         self.stop_ids |= {
             self.special_tokens[t] for t in _END_OF_TURN_TOKENS if t in self.special_tokens
         }
-
-    @classmethod
-    def from_gguf_metadata(cls, metadata: dict[str, Any]) -> "Tokenizer":
-        model = metadata.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise TokenizerError(f"tokenizer.ggml.model is {model!r}; only byte-level BPE 'gpt2'")
-        pre = metadata.get("tokenizer.ggml.pre")
-        if pre is None:
-            log.warning("GGUF has no tokenizer.ggml.pre; using the GPT-2 pre-tokenizer")
-        elif pre not in PATTERN_BY_GGUF_PRE:
-            raise TokenizerError(f"tokenizer.ggml.pre {pre!r} is not a known pre-tokenizer")
-        tokens = metadata["tokenizer.ggml.tokens"]
-        types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        special_types = (_GGUF_CONTROL, _GGUF_UNKNOWN, _GGUF_UNUSED)
-        added = {
-            i: t in special_types
-            for i, t in enumerate(types)
-            if t in (*special_types, _GGUF_USER_DEFINED)
-        }
-        merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
-        if "tokenizer.ggml.eos_token_id" not in metadata:
-            raise TokenizerError("GGUF has no tokenizer.ggml.eos_token_id")
-        extra_stops = [
-            metadata[key]
-            for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
-            if key in metadata
-        ]
-        return cls(
-            tokens=tokens,
-            merges=merges,
-            added=added,
-            pattern=PATTERN_BY_GGUF_PRE.get(pre or "gpt-2", GPT2_PATTERN),
-            eos_id=metadata["tokenizer.ggml.eos_token_id"],
-            bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
-            pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
-            add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
-            extra_stop_ids=extra_stops,
-        )
-
-    @classmethod
-    def from_hf_dir(cls, path: str | Path) -> "Tokenizer":
-        path = Path(path)
-        if not (path / "tokenizer.json").is_file():
-            raise TokenizerError(f"{path} has no tokenizer.json")
-        spec = _read_json(path / "tokenizer.json")
-        config = _read_json(path / "tokenizer_config.json")
-        bpe = spec.get("model", {})
-        affixes = bpe.get("continuing_subword_prefix") or bpe.get("end_of_word_suffix")
-        if bpe.get("type") != "BPE" or bpe.get("byte_fallback") or affixes:
-            raise TokenizerError(f"{path}/tokenizer.json model is not a byte-level BPE")
-        normalizer = spec.get("normalizer")
-        if normalizer not in (None, {"type": "NFC"}):
-            raise TokenizerError(f"unsupported normalizer {json.dumps(normalizer)}")
-        pattern = pattern_from_hf(spec.get("pre_tokenizer"))
-
-        id_of: dict[str, int] = dict(bpe.get("vocab", {}))
-        added = {}
-        for token in spec.get("added_tokens", []):
-            id_of[token["content"]] = token["id"]
-            added[token["id"]] = bool(token.get("special"))
-        tokens = [""] * (max(id_of.values()) + 1)
-        for text, token_id in id_of.items():
-            tokens[token_id] = text
-        merges = [
-            tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in bpe.get("merges", [])
-        ]
-
-        def token_id(field: str) -> int | None:
-            text = _token_content(config.get(field))
-            if text is not None and text not in id_of:
-                raise TokenizerError(f"tokenizer_config.json {field} {text!r} is not in the vocab")
-            return None if text is None else id_of[text]
-
-        eos_id = token_id("eos_token")
-        if eos_id is None:
-            raise TokenizerError(f"{path}/tokenizer_config.json has no eos_token")
-        bos_id = token_id("bos_token")
-        # The post-processor is what actually prepends BOS; the config flag is a fallback.
-        post = spec.get("post_processor") or {}
-        processors = post.get("processors", [post]) if post.get("type") == "Sequence" else [post]
-        templates = [p for p in processors if p.get("type") == "TemplateProcessing"]
-        if templates:
-            first = templates[0].get("single", [{}])[0]
-            first_special = first.get("SpecialToken", {}).get("id")
-            add_bos = bos_id is not None and id_of.get(first_special) == bos_id
-        else:
-            add_bos = bool(config.get("add_bos_token", False)) and bos_id is not None
-
-        # Instruct checkpoints list their other end-of-turn ids here (Llama 3: <|eot_id|> ...).
-        eos_ids = _read_json(path / "generation_config.json").get("eos_token_id") or []
-        return cls(
-            tokens=tokens,
-            merges=merges,
-            added=added,
-            pattern=pattern,
-            eos_id=eos_id,
-            bos_id=bos_id,
-            pad_id=token_id("pad_token"),
-            add_bos=add_bos,
-            extra_stop_ids=eos_ids if isinstance(eos_ids, list) else [eos_ids],
-            normalize_nfc=normalizer is not None,
-        )
 
     def encode(
         self, text: str, allow_special: bool = False, add_bos: bool | None = None

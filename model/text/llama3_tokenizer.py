@@ -12,8 +12,9 @@ import binascii
 import importlib.util
 from pathlib import Path
 
-from model.pretokenizer import LLAMA3_PATTERN, TokenizerError
-from model.tokenizer import Tokenizer
+from model.errors import TokenizerError
+from model.text.pretokenizer import LLAMA3_PATTERN
+from model.text.tokenizer import Tokenizer
 
 NUM_SPECIAL_TOKENS = 256
 # As in Meta's reference tokenizer; ids are assigned in this order after the BPE vocabulary.

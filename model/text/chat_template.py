@@ -18,7 +18,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 
 
 class ChatTemplateError(ValueError):

@@ -7,10 +7,7 @@ guess: an unknown name or shape raises `TokenizerError`, because a wrong split i
 
 import json
 
-
-class TokenizerError(ValueError):
-    """A tokenizer that cannot be built faithfully; the message says which field and why."""
-
+from model.errors import TokenizerError
 
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # `Digits(individual_digits=True)` then the GPT-2 regex, as one regex: every \p{N} is its own

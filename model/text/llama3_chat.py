@@ -9,8 +9,8 @@ special tokens allowed: content is encoded as plain text, so a user cannot injec
 
 from typing import Any
 
-from model.chat_template import ChatTemplate, ChatTemplateError
-from model.tokenizer import Tokenizer
+from model.text.chat_template import ChatTemplate, ChatTemplateError
+from model.text.tokenizer import Tokenizer
 
 _ROLES = ("system", "user", "assistant", "tool", "ipython")
 _REQUIRED_TOKENS = (

@@ -4,7 +4,7 @@ half a UTF-8 character. Must never change what the full decode would say."""
 import codecs
 from collections.abc import Sequence
 
-from model.tokenizer import Tokenizer
+from model.text.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:
