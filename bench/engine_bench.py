@@ -20,7 +20,7 @@ import torch
 
 from model.loader import load_model
 from scheduler.config import EngineConfig
-from scheduler.engine import create_engine
+from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
 
 WORDS = (

@@ -19,7 +19,7 @@ class Batch:
     input_ids: torch.Tensor  # [T] int64, all new tokens of all sequences
     positions: torch.Tensor  # [T] int64, position of each token in its sequence
     slot_mapping: torch.Tensor  # [T] int64, KV-cache slot each token's K/V is written to
-    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with 0
+    block_tables: torch.Tensor  # [B, max_blocks] int64, padded with the null block
     query_start_loc: torch.Tensor  # [B + 1] int64, where each sequence's tokens start in T
     seq_lens_t: torch.Tensor  # [B] int64, tokens in context after this step
     logits_indices: torch.Tensor  # rows of T whose logits are returned
@@ -45,16 +45,22 @@ class Batch:
         block_size: int,
         device: torch.device | str = "cpu",
         all_logits: bool | list[bool] = False,
+        null_block: int | None = None,
     ) -> Batch:
         """token_ids[i]: the new tokens of sequence i; num_computed[i]: how many of its
         tokens are already in the KV cache (the position of its first new token).
         all_logits: logits for every new token (of every sequence, or of those flagged)
-        rather than for the last one only; rows come out in sequence order."""
+        rather than for the last one only; rows come out in sequence order.
+        null_block: the cache's reserved block that pads shorter block tables; padding
+        never names a live block, so a kernel that strays past a sequence's length reads
+        (or a padded row writes) nobody's KV. Tables of unequal length need it."""
         query_lens = [len(t) for t in token_ids]
         seq_lens = [c + q for c, q in zip(num_computed, query_lens, strict=True)]
         starts = [0, *accumulate(query_lens)]
         max_blocks = max(len(b) for b in block_tables)
-        padded = [b + [0] * (max_blocks - len(b)) for b in block_tables]
+        if null_block is None and any(len(b) != max_blocks for b in block_tables):
+            raise ValueError("block tables of unequal length need a null block to pad them")
+        padded = [b + [null_block] * (max_blocks - len(b)) for b in block_tables]
 
         flat = [t for seq in token_ids for t in seq]
         query_lens_t = torch.tensor(query_lens, dtype=torch.int64)

@@ -70,9 +70,6 @@ class ModelConfig:
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + ffn + norms) + self.dim + embed
 
-    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.n_layers * self.kv_size * dtype_bytes
-
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         model_type = cfg.get("model_type", "llama")

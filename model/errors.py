@@ -3,6 +3,8 @@ naming the file or field and the problem, which the CLI prints before exiting 2.
 
 Defined apart from the code that raises them so that every reader (config, weights,
 tokenizer) and the CLI import one module, and none imports another only for its error.
+
+Nothing here decides what happens next: readers raise, the CLI prints and exits.
 """
 
 

@@ -2,6 +2,9 @@
 
 The reference path for the `generate` demo and for tests: no scheduler, no sampling
 options, blocks handed out consecutively. Serving goes through the engine instead.
+
+It must never grow sampling options or scheduling: it is the loop the engine is checked
+against.
 """
 
 from collections.abc import Iterator

@@ -5,6 +5,8 @@ with random weights.
 Every way a model path can be wrong ends here as one `ModelFileError` or
 `UnsupportedModelError` sentence naming the file and the problem; callers print it
 and exit instead of showing a traceback.
+
+It never keeps a second copy of the weights and never touches the KV cache or requests.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Sampling: one step's logits [B, V] -> one token id per row, plus raw logprobs.
+"""Sampling: one step's logits [B, V] -> one token id per row, plus raw logprobs; and the
+logprob math prompt logprobs share.
 
 Owns the order in which logits are shaped (suppression and bias, repetition penalty,
 frequency and presence penalties, temperature, top-k, top-p, min-p) and how randomness is
@@ -139,20 +140,16 @@ class Sampler:
     """Stateless: everything a step needs arrives in `SamplingMetadata`."""
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        # Logprobs report what the model believes, not what the request's sampling shaped,
-        # so they come from the raw logits (as OpenAI and vLLM report them).
-        raw_logprobs = torch.log_softmax(logits, dim=-1) if meta.num_logprobs >= 0 else None
         processed = self.process_logits(logits, meta)
         if meta.all_greedy:
             token_ids = processed.argmax(dim=-1)
         else:
             token_ids = _sample(processed, meta)
-
-        logprobs = top_ids = top_logprobs = None
-        if raw_logprobs is not None:
-            logprobs = raw_logprobs.gather(-1, token_ids[:, None]).squeeze(-1)
-            if meta.num_logprobs > 0:
-                top_logprobs, top_ids = raw_logprobs.topk(meta.num_logprobs, dim=-1)
+        if meta.num_logprobs < 0:
+            return SamplerOutput(token_ids, None, None, None)
+        # Logprobs report what the model believes, not what the request's sampling shaped,
+        # so they come from the raw logits (as OpenAI and vLLM report them).
+        logprobs, top_ids, top_logprobs = token_logprobs(logits, token_ids, meta.num_logprobs)
         return SamplerOutput(token_ids, logprobs, top_ids, top_logprobs)
 
     def process_logits(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
@@ -182,6 +179,20 @@ class Sampler:
         if meta.presence_penalty is not None:
             logits -= meta.presence_penalty[:, None] * (meta.output_counts > 0)
         return logits
+
+
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The one logprob rule, for sampled tokens and prompt tokens alike: logits [n, V],
+    targets [n] -> (log-softmax at each target [n], top-N ids and logprobs [n, N], or None
+    when num_top is 0)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+    if num_top <= 0:
+        return chosen, None, None
+    top_values, top_ids = logprobs.topk(num_top, dim=-1)
+    return chosen, top_ids, top_values
 
 
 def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

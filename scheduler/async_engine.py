@@ -4,6 +4,8 @@ outputs to its own asyncio queue.
 The engine thread is the only one that touches the engine. Requests and aborts from the
 event loop go through a locked inbox that the thread drains before each step; outputs
 come back with `call_soon_threadsafe`. The thread sleeps while there is no work.
+
+It must never call the engine from the event loop, nor block the loop on the engine.
 """
 
 from __future__ import annotations
@@ -71,13 +73,6 @@ class AsyncEngine:
             self.abort(request_id)  # cancelled while queued: the engine may have it
             raise
         return RequestStream(self, request_id, params.n, queue)
-
-    async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        stream = await self.add_request(request_id, prompt_ids, params)
-        async for out in stream:
-            yield out
 
     def _release(self, request_id: str) -> None:
         with self._lock:

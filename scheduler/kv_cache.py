@@ -13,55 +13,10 @@ asks, this answers with block ids or a refusal that changed nothing.
 from __future__ import annotations
 
 import hashlib
-import re
 from array import array
 from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from decimal import Decimal
-
-# Lower-cased unit -> bytes: KB .. TB are powers of 1000, KiB .. TiB powers of 1024.
-_MEMORY_UNITS: dict[str, int] = {
-    "": 1,
-    "b": 1,
-    **{f"{prefix}b": 1000**power for power, prefix in enumerate("kmgt", start=1)},
-    **{f"{prefix}ib": 1024**power for power, prefix in enumerate("kmgt", start=1)},
-}
-_MEMORY_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([A-Za-z]*)\s*")
-
-
-def kv_bytes_per_block(
-    n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int
-) -> int:
-    """Bytes one block takes across all layers; the 2 is one K and one V tensor."""
-    return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype_bytes
-
-
-def num_blocks_for_budget(kv_budget_bytes: int, bytes_per_block: int) -> int:
-    """How many whole blocks fit in the budget; at least one, or the budget is an error."""
-    if bytes_per_block <= 0:
-        raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
-    num_blocks = kv_budget_bytes // bytes_per_block
-    if num_blocks < 1:
-        raise ValueError(
-            f"KV-cache budget of {kv_budget_bytes} bytes holds no block of {bytes_per_block} "
-            "bytes; raise the KV-cache budget or lower --block-size"
-        )
-    return num_blocks
-
-
-def parse_memory_size(text: str) -> int:
-    """Bytes in a size such as '512MiB', '4GiB', '1.5GB' or '1000000' (fractions floored)."""
-    match = _MEMORY_SIZE.fullmatch(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _MEMORY_UNITS:
-        raise ValueError(
-            f"invalid memory size {text!r}: expected a non-negative number with an optional "
-            "unit, one of B, KB, MB, GB, TB (powers of 1000) or KiB, MiB, GiB, TiB (powers of "
-            "1024), e.g. '512MiB' or '1.5GB'"
-        )
-    # Decimal, not float: '1.1GB' must be exactly 1100000000 bytes.
-    return int(Decimal(match.group(1)) * _MEMORY_UNITS[unit])
 
 
 def _chain_hash(parent_hash: bytes, token_ids: tuple[int, ...]) -> bytes:
@@ -229,21 +184,6 @@ class KVCacheManager:
         """A copy of the request's block ids, in token order."""
         request = self._requests.get(request_id)
         return list(request.block_ids) if request is not None else []
-
-    def slot_mapping(self, request_id: str, start: int, end: int) -> list[int]:
-        """KV-tensor slots of token positions [start, end), built one block run at a time."""
-        request = self._requests.get(request_id)
-        block_ids = request.block_ids if request is not None else []
-        block_size = self.block_size
-        slots: list[int] = []
-        position = start
-        while position < end:
-            block_index, offset = divmod(position, block_size)
-            run = min(block_size - offset, end - position)
-            first_slot = block_ids[block_index] * block_size + offset
-            slots.extend(range(first_slot, first_slot + run))
-            position += run
-        return slots
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block nobody references (e.g. after swapping weights)."""

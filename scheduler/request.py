@@ -1,8 +1,8 @@
 """The values that cross the scheduler's boundary: `SamplingParams` (validated once, at
-the door), `Request` (a request's whole state inside the engine) and `RequestOutput`
-(what the engine hands back after each step).
+the door), `Request` (one sequence's lifecycle state, written by the `Scheduler` alone) and
+`RequestOutput` (what the engine hands back after each step); and the context-length rule.
 
-Nothing here runs a model or touches KV blocks.
+Nothing here runs a model, touches KV blocks or imports torch.
 """
 
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-
-import torch
 
 
 class InvalidParams(ValueError):
@@ -106,6 +104,38 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def resolve_max_tokens(
+    requested: int | None,
+    num_prompt_tokens: int,
+    max_model_len: int,
+    param: str = "max_tokens",
+    prompt_param: str = "prompt",
+) -> int:
+    """The context-length rule, in its one home: prompt plus output must fit in
+    max_model_len. None means 'up to the context length', as vLLM does. `param` and
+    `prompt_param` name the client's fields in the error."""
+    if num_prompt_tokens < 1:
+        raise InvalidParams(prompt_param, "the prompt is empty")
+    if num_prompt_tokens >= max_model_len:
+        raise InvalidParams(
+            prompt_param,
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+            f"has {num_prompt_tokens} tokens",
+        )
+    if requested is None:
+        return max_model_len - num_prompt_tokens
+    if requested < 1:
+        raise InvalidParams(param, f"{param} must be at least 1, got {requested}")
+    if num_prompt_tokens + requested > max_model_len:
+        raise InvalidParams(
+            param,
+            f"this model's maximum context length is {max_model_len} tokens, but "
+            f"{num_prompt_tokens} prompt tokens and {param}={requested} make "
+            f"{num_prompt_tokens + requested}",
+        )
+    return requested
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -115,23 +145,26 @@ class RequestStatus(enum.Enum):
 
 @dataclass
 class Request:
+    """One sequence (a request with n > 1 is n of them). Its lifecycle fields (status,
+    num_computed_tokens, output ids, finish reason) are written by the `Scheduler` only."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    # Token ids that end this sequence when sampled: the request's stop_token_ids and,
+    # unless ignore_eos, the tokenizer's end-of-turn ids. Resolved once by the engine.
+    stop_token_ids: frozenset[int] = frozenset()
+    seed: int | None = None  # this sequence's own seed; n > 1 siblings get seed + index
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
-    num_preemptions: int = 0
     finish_reason: str | None = None
-    generator: torch.Generator | None = None
     # Logprobs of prompt tokens 1.. (token 0 has no context); filled while the prompt is
     # computed, which is why such a request never starts from cached prefix blocks.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
     # prompt + outputs, kept as one list: the scheduler and the batch read it every step,
     # and concatenating a long context per request per step is wasted copying.
     all_token_ids: list[int] = field(init=False)
@@ -150,6 +183,20 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def owes_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and some are still missing: then every prompt position
+        must be computed (no cached prefix) and its logits kept."""
+        return (
+            self.params.prompt_logprobs is not None
+            and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+        )
+
+    @property
+    def may_stop(self) -> bool:
+        """min_tokens reached: stop tokens and stop strings count from here on."""
+        return len(self.output_ids) >= self.params.min_tokens
 
 
 @dataclass

@@ -7,8 +7,11 @@ short. When the cache cannot grow a running request, the most recently admitted 
 preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed later (its cached prefix blocks usually survive). Nothing is dropped.
 
-The scheduler owns request lifecycles and asks `KVCacheManager` for blocks; it never
-runs the model, samples or detokenizes.
+One step is three calls, as in vLLM's v1 core: `schedule()` says what runs, the model
+runner computes, `update_from_output()` advances computed tokens, appends sampled tokens,
+forks n > 1 siblings, finishes and frees. The scheduler is the only writer of a request's
+lifecycle state and the only client of `KVCacheManager`; it never runs the model, samples,
+detokenizes or imports torch.
 """
 
 from __future__ import annotations
@@ -16,10 +19,16 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from scheduler.kv_cache import KVCacheManager
-from scheduler.request import InvalidParams, Request, RequestStatus
+from scheduler.request import Request, RequestStatus, resolve_max_tokens
+from scheduler.step_data import (
+    ModelRunnerOutput,
+    ScheduledRequest,
+    SchedulerOutput,
+    SequenceUpdate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +39,12 @@ class QueueFull(RuntimeError):
 
 @dataclass
 class SchedulerConfig:
+    """Built from `EngineConfig` once the runner has capped max_model_len to the cache."""
+
     max_model_len: int
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_waiting: int = 1024
-
-
-@dataclass
-class SchedulerOutput:
-    """The plan of one step: requests in batch order with how many new tokens each feeds."""
-
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting: int
 
 
 class Scheduler:
@@ -58,6 +57,9 @@ class Scheduler:
         # share its full blocks by reference instead of computing them again.
         self.forks_pending: dict[str, list[Request]] = {}
         self.num_preemptions = 0
+        # Finished or aborted since the last schedule(): the runner forgets them.
+        self._finished_ids: list[str] = []
+        self._in_flight: dict[str, Request] = {}  # scheduled this step, by id
 
     @property
     def num_waiting(self) -> int:
@@ -66,22 +68,14 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def check_prompt(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        limit = self.config.max_model_len
-        if num_prompt_tokens < 1:
-            raise InvalidParams("prompt", "the prompt is empty")
-        if num_prompt_tokens + max_tokens > limit:
-            raise InvalidParams(
-                "max_tokens",
-                f"this model's maximum context length is {limit} tokens, but the request has "
-                f"{num_prompt_tokens} prompt tokens and max_tokens={max_tokens} "
-                f"({num_prompt_tokens + max_tokens} in all)",
-            )
-
     def add(self, first: Request, siblings: list[Request] | None = None) -> None:
+        """Queues a request (its n - 1 siblings wait for its prompt); raises QueueFull or
+        InvalidParams having queued nothing."""
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"the waiting queue is full ({self.config.max_waiting} requests)")
-        self.check_prompt(len(first.prompt_ids), first.params.max_tokens)
+        resolve_max_tokens(
+            first.params.max_tokens, len(first.prompt_ids), self.config.max_model_len
+        )
         self.waiting.append(first)
         if siblings:
             self.forks_pending[first.request_id] = siblings
@@ -106,6 +100,9 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, reason: str) -> None:
+        """Ends a running request the engine stopped (a stop string in its text)."""
+        if req.finished:
+            return
         if req in self.running:
             self.running.remove(req)
         self._finish(req, reason)
@@ -114,13 +111,14 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv.free(req.request_id)
+        self._finished_ids.append(req.request_id)
         # Siblings still waiting for this one's prompt are released to compute it alone.
         for sibling in reversed(self.forks_pending.pop(req.request_id, [])):
             self.waiting.appendleft(sibling)
         return req
 
-    def prompt_computed(self, req: Request) -> None:
-        """Called once a request's prompt is fully in the cache: forks its siblings."""
+    def _fork_siblings(self, req: Request) -> None:
+        """Once a request's prompt is fully in the cache, its siblings share those blocks."""
         siblings = self.forks_pending.pop(req.request_id, [])
         for sibling in reversed(siblings):
             sibling.num_computed_tokens = self.kv.fork(
@@ -131,7 +129,9 @@ class Scheduler:
             self.waiting.appendleft(sibling)
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
+        """Decides this step's work and reserves its KV blocks; changes no token counts."""
+        plan: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
 
@@ -146,16 +146,16 @@ class Scheduler:
             ):
                 victim = self.running[-1]
                 self._preempt(victim)
-                out.preempted.append(victim)
+                preempted.append(victim)
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, num_new))
+                plan.append((req, num_new))
                 budget -= num_new
 
         # Admitting while preempting would take back the blocks just freed.
         while (
-            not out.preempted
+            not preempted
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
@@ -164,13 +164,9 @@ class Scheduler:
             holds_blocks = bool(self.kv.block_table(req.request_id))
             if not holds_blocks:
                 # Prompt logprobs need the logits of every prompt position: no cached prefix.
-                wants_prompt_logits = (
-                    req.params.prompt_logprobs is not None
-                    and len(req.prompt_logprobs) < len(req.prompt_ids) - 1
-                )
                 req.num_computed_tokens = (
                     0
-                    if wants_prompt_logits
+                    if req.owes_prompt_logprobs
                     else self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
                 )
                 if req.first_scheduled_time is None:
@@ -188,16 +184,80 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             self.running.append(req)
-            out.scheduled.append((req, num_new))
+            plan.append((req, num_new))
             budget -= num_new
-        return out
+
+        self._in_flight = {req.request_id: req for req, _ in plan}
+        finished_ids, self._finished_ids = self._finished_ids, []
+        return SchedulerOutput(
+            scheduled=[self._scheduled(req, num_new) for req, num_new in plan],
+            preempted_ids=[req.request_id for req in preempted],
+            finished_ids=finished_ids,
+        )
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        sample = start + num_new == req.num_tokens
+        owes = req.owes_prompt_logprobs and start < len(req.prompt_ids) - 1
+        return ScheduledRequest(
+            request_id=req.request_id,
+            new_token_ids=req.all_token_ids[start : start + num_new],
+            num_computed_tokens=start,
+            block_table=self.kv.block_table(req.request_id),
+            sample=sample,
+            params=req.params,
+            seed=req.seed,
+            prompt_ids=req.prompt_ids,
+            output_ids=req.output_ids,
+            suppress_token_ids=(req.stop_token_ids if sample and not req.may_stop else frozenset()),
+            prompt_logprobs_from=len(req.prompt_logprobs) if owes else None,
+        )
+
+    def update_from_output(
+        self, out: SchedulerOutput, result: ModelRunnerOutput
+    ) -> list[SequenceUpdate]:
+        """The only place a step's results move requests forward: computed tokens, prompt
+        logprobs, sampled tokens, forks of n > 1 siblings, stop tokens and lengths; what
+        finished is freed here. Returns one update per sequence that sampled or failed."""
+        updates: list[SequenceUpdate] = []
+        for scheduled in out.scheduled:
+            req = self._in_flight[scheduled.request_id]
+            if req.finished:
+                continue
+            error = result.errors.get(req.request_id)
+            if error is not None:
+                self.finish(req, "error")
+                updates.append(SequenceUpdate(req, finish_reason="error", error=error))
+                continue
+            req.num_computed_tokens += len(scheduled.new_token_ids)
+            req.prompt_logprobs += result.prompt_logprobs.get(req.request_id, [])
+            if not scheduled.sample:
+                continue
+            if not req.output_ids:
+                self._fork_siblings(req)
+            sampled = result.sampled[req.request_id]
+            req.append_output(sampled.token_id)
+            reason = self._stop_reason(req, sampled.token_id)
+            if reason is not None:
+                self.finish(req, reason)
+            updates.append(SequenceUpdate(req, sampled.token_id, sampled.logprob, reason))
+        self._in_flight = {}
+        return updates
+
+    def _stop_reason(self, req: Request, token_id: int) -> str | None:
+        if req.may_stop and token_id in req.stop_token_ids:
+            return "stop"
+        if len(req.output_ids) >= req.params.max_tokens:
+            return "length"
+        if req.num_tokens >= self.config.max_model_len:
+            return "length"
+        return None
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
-        req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
         logger.info(

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from server.chat import create_chat_completion, render_chat
 from server.completions import create_completion
+from server.engine_inputs import check_token_ids
 from server.errors import APIError, install_error_handlers
 from server.metrics import CONTENT_TYPE, ServerMetrics
 from server.middleware import BodyLimit, RequestContext
@@ -24,7 +25,6 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from server.sampling import check_token_ids
 from server.state import ServerState
 
 

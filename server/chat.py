@@ -1,5 +1,9 @@
 """`POST /v1/chat/completions`: messages rendered with the model's chat template, then
-generated like a completion; streamed as role, content deltas, finish, usage, [DONE]."""
+generated like a completion; streamed as role, content deltas, finish, usage, [DONE].
+
+It never touches the engine's state: it admits, reads its request's outputs and
+renders them.
+"""
 
 from __future__ import annotations
 
@@ -13,9 +17,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from model.text.chat_template import ChatTemplateError
 from scheduler.request import TokenLogprob
 from server.completions import SSE_HEADERS
+from server.engine_inputs import checked_max_tokens, sampling_params
 from server.errors import APIError, error_body
 from server.protocol import ChatCompletionRequest, ChatMessage
-from server.sampling import resolve_max_tokens, sampling_params
 from server.state import ServerState
 from server.streaming import admit, merge, sse, unless_disconnected
 
@@ -60,7 +64,7 @@ async def create_chat_completion(
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(requested, len(ids), state, param)
+    max_tokens = checked_max_tokens(requested, len(ids), state, param)
     n_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     params = sampling_params(req, max_tokens, n_logprobs, state)
     rid = raw.state.request_id

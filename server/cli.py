@@ -3,6 +3,8 @@
 
 Flags are named as vLLM names them where the concept is the same. Errors a user can
 cause (a bad model path, an unsupported file) print one sentence and exit 2.
+
+Nothing below it reads flags: they become `ServeConfig` and `EngineConfig` here.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import sys
 
 import torch
 
-from scheduler.kv_cache import parse_memory_size
+from scheduler.config import EngineConfig
+from server.memory_size import parse_memory_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -92,16 +95,23 @@ def build_parser() -> argparse.ArgumentParser:
         help="context length: prompt plus output tokens (default: the model's)",
     )
     serve.add_argument(
-        "--max-num-seqs", type=int, default=64, help="most sequences in one step (default 64)"
+        "--max-num-seqs",
+        type=int,
+        default=EngineConfig.max_num_seqs,
+        help=f"most sequences in one step (default {EngineConfig.max_num_seqs})",
     )
     serve.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=2048,
-        help="most tokens in one step; longer prompts are prefilled in chunks",
+        default=EngineConfig.max_num_batched_tokens,
+        help="most tokens in one step; longer prompts are prefilled in chunks "
+        f"(default {EngineConfig.max_num_batched_tokens})",
     )
     serve.add_argument(
-        "--block-size", type=int, default=16, help="tokens per KV block (default 16)"
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help=f"tokens per KV block (default {EngineConfig.block_size})",
     )
     serve.add_argument(
         "--kv-cache-memory",
@@ -113,14 +123,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
-        help="share of GPU memory for weights and KV cache (default 0.9)",
+        default=EngineConfig.gpu_memory_utilization,
+        help="share of GPU memory for weights and KV cache "
+        f"(default {EngineConfig.gpu_memory_utilization})",
     )
     serve.add_argument(
         "--max-waiting",
         type=int,
-        default=1024,
-        help="queued requests beyond which new ones get 503 (default 1024)",
+        default=EngineConfig.max_waiting,
+        help=f"queued requests beyond which new ones get 503 (default {EngineConfig.max_waiting})",
     )
     serve.add_argument(
         "--no-prefix-caching", action="store_true", help="turn automatic prefix caching off"
@@ -166,7 +177,8 @@ def generate(args: argparse.Namespace) -> int:
         messages = [{"role": "user", "content": args.prompt}]
         ids = loaded.chat_template.prompt_ids(messages, tok)
     else:
-        ids = tok.encode(args.prompt)
+        # A raw prompt is the user's own: hand-written chat markup becomes control tokens.
+        ids = tok.encode(args.prompt, allow_special=True)
     detok = IncrementalDetokenizer(tok)
     for token in greedy_tokens(loaded.model, ids, args.max_tokens, tok.stop_ids):
         if token in tok.stop_ids:
@@ -178,7 +190,6 @@ def generate(args: argparse.Namespace) -> int:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from scheduler.config import EngineConfig
     from server.launch import ServeConfig, build_server, uvicorn_server
 
     config = ServeConfig(

@@ -1,5 +1,9 @@
 """`POST /v1/completions`: prompts (text, texts, token ids, lists of token ids) to
-completions, whole or streamed, with the legacy `logprobs` format and `echo`."""
+completions, whole or streamed, with the legacy `logprobs` format and `echo`.
+
+It never touches the engine's state: it admits, reads its request's outputs and
+renders them.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,9 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from scheduler.request import RequestOutput, TokenLogprob
+from server.engine_inputs import check_token_ids, checked_max_tokens, sampling_params
 from server.errors import APIError, error_body
 from server.protocol import CompletionRequest
-from server.sampling import check_token_ids, resolve_max_tokens, sampling_params
 from server.state import ServerState
 from server.streaming import admit, merge, sse, unless_disconnected
 
@@ -70,7 +74,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     jobs = []
     rid = raw.state.request_id
     for i, ids in enumerate(prompts):
-        max_tokens = resolve_max_tokens(max_tokens_field, len(ids), state, "max_tokens")
+        max_tokens = checked_max_tokens(max_tokens_field, len(ids), state, "max_tokens")
         prompt_logprobs = req.logprobs if req.echo else None
         params = sampling_params(req, max_tokens, req.logprobs, state, prompt_logprobs)
         jobs.append((f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params))

@@ -1,6 +1,8 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right
 status, for everything a client can get wrong, and one handler that turns our own bugs
 into a logged 500 without a traceback on the wire.
+
+It must never put a traceback or an internal message on the wire.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Builds a ready server from `ServeConfig`: load the model, size the KV cache, start the
-engine thread, wire the app; and runs it under uvicorn with a graceful shutdown."""
+engine thread, wire the app; and runs it under uvicorn with a graceful shutdown.
+
+It wires parts together and owns none of their state.
+"""
 
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ from model.errors import UnsupportedModelError
 from model.loader import LoadedModel, load_model, load_random_model
 from scheduler.async_engine import AsyncEngine
 from scheduler.config import EngineConfig
-from scheduler.engine import create_engine
+from scheduler.engine_factory import create_engine
 from server.api import build_app
 from server.metrics import ServerMetrics
 from server.state import ServerState

@@ -1,7 +1,10 @@
 """Cross-cutting HTTP concerns, as plain ASGI middleware: a request id on every request
 (the client's `X-Request-Id` or a new one) with one access-log line and one status report
 (for the error counters) when it ends, and a bound on body size that answers 413 before
-the body reaches JSON parsing."""
+the body reaches JSON parsing.
+
+It never parses a body or looks at what a route answers beyond its status.
+"""
 
 from __future__ import annotations
 

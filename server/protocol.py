@@ -18,15 +18,17 @@ MAX_N = 16
 MAX_STOP_STRINGS = 16
 
 
-class Request(BaseModel):
+class LenientModel(BaseModel):
+    """Accepts and ignores fields it does not know, as OpenAI-compatible servers do."""
+
     model_config = ConfigDict(extra="ignore")
 
 
-class StreamOptions(Request):
+class StreamOptions(LenientModel):
     include_usage: bool = False
 
 
-class SamplingFields(Request):
+class SamplingFields(LenientModel):
     """The sampling fields completions and chat share, with vLLM's extras."""
 
     model: str | None = None
@@ -61,12 +63,12 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class TextPart(Request):
+class TextPart(LenientModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(Request):
+class ChatMessage(LenientModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -89,7 +91,7 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(Request):
+class TokenizeRequest(LenientModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -97,27 +99,9 @@ class TokenizeRequest(Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(Request):
+class DetokenizeRequest(LenientModel):
     model: str | None = None
     tokens: list[int]
-
-
-class Usage(BaseModel):
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-    prompt_tokens_details: dict[str, int] | None = None
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | int | None = None
-
-
-class ErrorResponse(BaseModel):
-    error: ErrorBody
 
 
 class ModelCard(BaseModel):

@@ -1,6 +1,10 @@
 """Running engine requests for one HTTP request: admission of all its sub-requests
 before any byte is sent (so refusals are proper 4xx/503 answers), merging their outputs,
-SSE framing, and cancelling everything when the client goes away."""
+SSE framing, and cancelling everything when the client goes away.
+
+It never blocks the event loop on the engine and never lets a request outlive its
+client.
+"""
 
 from __future__ import annotations
 

@@ -45,10 +45,10 @@ class LiveServer:
         effect on the engine thread's next step, so the count needs a moment to settle."""
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            if self.engine.kv.num_used_blocks == 0 and not self.engine.has_work():
+            if self.engine.scheduler.kv.num_used_blocks == 0 and not self.engine.has_work():
                 return 0
             time.sleep(0.05)
-        return self.engine.kv.num_used_blocks
+        return self.engine.scheduler.kv.num_used_blocks
 
 
 def engine_config(**overrides: object) -> EngineConfig:

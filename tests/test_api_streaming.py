@@ -177,7 +177,7 @@ def aborts(live_server, monkeypatch):
     original = engine.abort
 
     def recording_abort(request_id: str) -> None:
-        seqs = [t for t in engine._tracked.values() if t.group_id == request_id]
+        seqs = [t for t in engine._sequences.values() if t.group_id == request_id]
         seen[request_id] = max((len(t.request.output_ids) for t in seqs), default=-1)
         original(request_id)
 
@@ -219,7 +219,7 @@ def test_streaming_clients_that_disconnect_are_aborted(live_server, aborts):
     for t in threads:
         t.start()
     ready.wait(timeout=120)  # all 8 are streaming at once: their blocks are in use
-    assert live_server.engine.kv.num_used_blocks > 0
+    assert live_server.engine.scheduler.kv.num_used_blocks > 0
     for t in threads:
         t.join(120)
     assert not errors, errors
@@ -257,7 +257,7 @@ def raw_post(live_server, path: str, body: dict, request_id: str, rcvbuf: int = 
 def wait_until_generating(live_server, prefix: str, min_tokens: int = 2) -> None:
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        tracked = list(live_server.engine._tracked.values())
+        tracked = list(live_server.engine._sequences.values())
         if any(
             t.group_id.startswith(prefix) and len(t.request.output_ids) >= min_tokens
             for t in tracked
@@ -277,7 +277,7 @@ def test_non_streaming_client_that_disconnects_is_aborted(live_server, aborts):
     for path, body in bodies.items():
         sock = raw_post(live_server, path, body, f"{tag}{path}")
         wait_until_generating(live_server, f"{tag}{path}")
-        assert live_server.engine.kv.num_used_blocks > 0
+        assert live_server.engine.scheduler.kv.num_used_blocks > 0
         sock.close()
         assert live_server.wait_kv_free() == 0
     ours = {rid: n for rid, n in aborts.items() if rid.startswith(tag)}

@@ -251,5 +251,5 @@ def test_stored_values_match_what_clients_saw(load):
     )
     assert instant(prom, f"llamaserve:prefix_cache_hits_total{sel}") > 0
     assert instant(prom, 'llamaserve:request_errors_total{status_class="4xx"}') == 1
-    blocks = load.live.engine.kv.num_blocks
+    blocks = load.live.engine.scheduler.kv.num_blocks
     assert instant(prom, f"llamaserve:kv_cache_blocks_total{sel}") == blocks

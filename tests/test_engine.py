@@ -9,7 +9,7 @@ import torch
 
 from model.greedy import greedy_tokens
 from scheduler.config import EngineConfig
-from scheduler.engine import create_engine
+from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
 from tests.engine_driver import run_engine
 
@@ -83,9 +83,9 @@ def test_batch_invariance(scenario, ours_default, prompts, alone):
     for i in range(len(prompts)):
         got = results[(f"r{i}", 0)].token_ids
         assert got == alone[i], (scenario, TEXTS[i])
-    assert engine.kv.num_used_blocks == 0
+    assert engine.scheduler.kv.num_used_blocks == 0
     if scenario == "crowded":
-        assert engine.kv.prefix_cache_hits > 0  # the shared prefix was computed once
+        assert engine.scheduler.kv.prefix_cache_hits > 0  # the shared prefix was computed once
 
 
 @pytest.mark.slow
@@ -160,15 +160,15 @@ def test_n_shares_prompt_blocks(ours_default):
     engine = engine_for(ours_default)
     params = SamplingParams(max_tokens=4, temperature=1.0, n=3, seed=7)
     engine.add_request("n", ids, params)
-    full_blocks = len(ids) // engine.kv.block_size
+    full_blocks = len(ids) // engine.scheduler.kv.block_size
     seen_shared = False
     while engine.has_work():
         engine.step()
-        tables = [engine.kv.block_table(f"n#{i}") for i in range(3)]
+        tables = [engine.scheduler.kv.block_table(f"n#{i}") for i in range(3)]
         if all(tables):
             assert tables[0][:full_blocks] == tables[1][:full_blocks] == tables[2][:full_blocks]
             # shared prompt blocks are counted once
-            assert engine.kv.num_used_blocks < 3 * len(tables[0])
+            assert engine.scheduler.kv.num_used_blocks < 3 * len(tables[0])
             seen_shared = True
     assert seen_shared
 
@@ -186,10 +186,10 @@ def test_abort_frees_blocks(ours_default, prompts):
         engine.add_request(f"r{i}", ids, greedy(50))
     for _ in range(3):
         engine.step()
-    assert engine.kv.num_used_blocks > 0
+    assert engine.scheduler.kv.num_used_blocks > 0
     for i in range(8):
         engine.abort(f"r{i}")
-    assert engine.kv.num_used_blocks == 0
+    assert engine.scheduler.kv.num_used_blocks == 0
     assert not engine.has_work()
 
 
@@ -214,9 +214,9 @@ def test_many_requests_with_random_aborts(ours_default):
             if rng.random() < 0.05:
                 engine.abort(rid)
                 live.discard(rid)
-        engine.kv.check_invariants()
+        engine.scheduler.kv.check_invariants()
     assert not live
-    assert engine.kv.num_used_blocks == 0
+    assert engine.scheduler.kv.num_used_blocks == 0
 
 
 def test_sampler_failure_fails_its_requests_not_the_engine(ours_default, prompts, alone):
@@ -226,7 +226,7 @@ def test_sampler_failure_fails_its_requests_not_the_engine(ours_default, prompts
     outputs, _ = engine.step()
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("bad", "error")]
     assert outputs[0].error is not None
-    assert engine.kv.num_used_blocks == 0 and not engine.has_work()
+    assert engine.scheduler.kv.num_used_blocks == 0 and not engine.has_work()
     results, _ = run_engine(engine, {"ok": (prompts[5], greedy())})
     assert results[("ok", 0)].token_ids == alone[5]
 

@@ -1,4 +1,4 @@
-"""Tests for scheduler/kv_cache.py: capacity math, allocation, prefix caching, and a
+"""Tests for scheduler/kv_cache.py: allocation, prefix caching, and a
 stateful property test that drives the allocator like a scheduler would and checks it
 against a shadow model of what each block holds."""
 
@@ -17,58 +17,15 @@ from hypothesis.stateful import (
     rule,
 )
 
+from model.batch import Batch
 from scheduler import kv_cache
-from scheduler.kv_cache import (
-    KVCacheManager,
-    kv_bytes_per_block,
-    num_blocks_for_budget,
-    parse_memory_size,
-)
-
-# --- capacity ------------------------------------------------------------------------------
+from scheduler.kv_cache import KVCacheManager
 
 
-def test_bytes_per_block_is_k_and_v_for_every_layer() -> None:
-    assert kv_bytes_per_block(30, 3, 64, 16, 4) == 2 * 30 * 16 * 3 * 64 * 4 == 737280
-
-
-def test_gqa_fits_more_blocks_than_mha_in_the_same_budget() -> None:
-    gqa = kv_bytes_per_block(n_layers=30, n_kv_heads=3, head_dim=64, block_size=16, dtype_bytes=4)
-    mha = kv_bytes_per_block(n_layers=30, n_kv_heads=9, head_dim=64, block_size=16, dtype_bytes=4)
-    budget = 100 * mha
-    assert num_blocks_for_budget(budget, mha) == 100
-    assert num_blocks_for_budget(budget, gqa) == 300
-
-
-def test_num_blocks_for_budget_floors_and_refuses_a_budget_below_one_block() -> None:
-    assert num_blocks_for_budget(2 * 1000 + 999, 1000) == 2
-    with pytest.raises(ValueError, match="budget of 999 bytes holds no block"):
-        num_blocks_for_budget(999, 1000)
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("512MiB", 512 * 2**20),
-        ("4GiB", 4 * 2**30),
-        ("1.5GB", 1_500_000_000),
-        ("1.1GB", 1_100_000_000),
-        ("1000000", 1_000_000),
-        ("2 kib", 2048),
-        ("0.5KiB", 512),
-        ("1KB", 1000),
-        ("7B", 7),
-        (" 3TiB ", 3 * 2**40),
-    ],
-)
-def test_parse_memory_size(text: str, expected: int) -> None:
-    assert parse_memory_size(text) == expected
-
-
-@pytest.mark.parametrize("text", ["", "GiB", "abc", "-1GiB", "1.5XB", "1e9", "4 G", "1,000"])
-def test_parse_memory_size_rejects_with_a_clear_message(text: str) -> None:
-    with pytest.raises(ValueError, match=r"invalid memory size .*KiB, MiB, GiB"):
-        parse_memory_size(text)
+def production_slots(kv: KVCacheManager, request_id: str, start: int, end: int) -> list[int]:
+    """The KV slots the engine writes positions [start, end) to: the runner's `Batch`."""
+    batch = Batch.build([[0] * (end - start)], [start], [kv.block_table(request_id)], kv.block_size)
+    return batch.slot_mapping.tolist()
 
 
 # --- allocation ----------------------------------------------------------------------------
@@ -113,15 +70,15 @@ def test_failed_allocation_changes_nothing() -> None:
     assert kv.num_free_blocks == 0
 
 
-def test_slot_mapping_follows_the_block_table() -> None:
+def test_production_slots_follow_the_block_table() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4)
     kv.allocate_slots("x", list(range(4)), 0, 4)  # takes block 0
     kv.allocate_slots("a", list(range(8)), 0, 8)  # takes blocks 1, 2
     kv.free("x")
     kv.allocate_slots("a", list(range(10)), 8, 2)  # block 3: the free list is first in, first out
     assert kv.block_table("a") == [1, 2, 3]
-    assert kv.slot_mapping("a", 2, 10) == [6, 7, 8, 9, 10, 11, 12, 13]
-    assert kv.slot_mapping("a", 5, 5) == []
+    assert production_slots(kv, "a", 2, 10) == [6, 7, 8, 9, 10, 11, 12, 13]
+    assert production_slots(kv, "a", 9, 10) == [13]
 
 
 # --- prefix caching ------------------------------------------------------------------------
@@ -356,11 +313,12 @@ class KVCacheMachine(RuleBasedStateMachine):
         table = kv.block_table(request_id)
         assert table[: len(tables_before[request_id])] == tables_before[request_id]
         others = {b for rid, t in tables_before.items() if rid != request_id for b in t}
-        for position in range(request.num_computed, num_tokens):
-            block_id = table[position // kv.block_size]
+        # Written where production writes: the slots of the runner's Batch for this chunk.
+        slots = production_slots(kv, request_id, request.num_computed, num_tokens)
+        for position, slot in zip(range(request.num_computed, num_tokens), slots, strict=True):
+            block_id, offset = divmod(slot, kv.block_size)
             assert block_id not in others, f"writing into block {block_id}, held by another"
-            prefix = tuple(request.tokens[: position + 1])
-            self.written[block_id][position % kv.block_size] = prefix
+            self.written[block_id][offset] = tuple(request.tokens[: position + 1])
         request.num_computed = num_tokens
         request.num_allocated = max(request.num_allocated, num_tokens)
 
@@ -433,18 +391,14 @@ class KVCacheMachine(RuleBasedStateMachine):
             table = kv.block_table(request_id)
             held.update(table)
             assert len(table) == -(-request.num_allocated // kv.block_size)
-            # Every computed token, hit or forked ones included, must sit in its slot.
+            # Every computed token, hit or forked ones included, must sit where attention
+            # reads it: its block-table entry.
             for position in range(request.num_computed):
                 block_id = table[position // kv.block_size]
                 stored = self.written[block_id][position % kv.block_size]
                 assert stored == tuple(request.tokens[: position + 1]), (
                     f"{request_id} position {position}: block {block_id} holds KV of {stored}"
                 )
-            expected_slots = [
-                table[p // kv.block_size] * kv.block_size + p % kv.block_size
-                for p in range(request.num_allocated)
-            ]
-            assert kv.slot_mapping(request_id, 0, request.num_allocated) == expected_slots
         assert kv.num_used_blocks == len(held)
         assert kv.num_free_blocks == kv.num_blocks - len(held)
         assert kv.usage == len(held) / kv.num_blocks

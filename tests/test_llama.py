@@ -130,12 +130,18 @@ def test_flat_batch_equals_each_alone(pair, device):
             [tables[i] for i in warm],
             BLOCK,
             device,
+            null_block=cache.null_block,
         ),
         cache,
     )
     mixed = ours(
         Batch.build(
-            [s[c:] for s, c in zip(seqs, cached, strict=False)], cached, tables, BLOCK, device
+            [s[c:] for s, c in zip(seqs, cached, strict=False)],
+            cached,
+            tables,
+            BLOCK,
+            device,
+            null_block=cache.null_block,
         ),
         cache,
     )

@@ -117,7 +117,7 @@ async def concurrent_load(live: LiveServer, prompts: list[str], max_tokens: int)
 
 def test_exposition_parses_with_help_and_type(tiny):
     samples = wait_for(tiny, lambda s: value(s, "llamaserve:kv_cache_blocks_total") > 0)
-    assert value(samples, "llamaserve:kv_cache_blocks_total") == tiny.engine.kv.num_blocks
+    assert value(samples, "llamaserve:kv_cache_blocks_total") == tiny.engine.scheduler.kv.num_blocks
     response = httpx.get(f"{tiny.base_url}/metrics", timeout=10)
     assert response.headers["content-type"].startswith("text/plain")
     text = response.text
@@ -173,7 +173,7 @@ def test_preemption_and_token_counts(tiny):
 def test_repeated_prompt_hits_prefix_cache(tiny):
     prompt = " ".join(f"word{i}" for i in range(30))  # several full 16-token blocks
     before = wait_for(tiny, idle)
-    kv = tiny.engine.kv
+    kv = tiny.engine.scheduler.kv
     hits_before, queries_before = kv.prefix_cache_hits, kv.prefix_cache_queries
     for _ in range(2):
         asyncio.run(concurrent_load(tiny, [prompt], max_tokens=2))

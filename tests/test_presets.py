@@ -16,6 +16,7 @@ from model.llama import Llama
 from model.presets import PRESETS, preset_config
 from model.rope import inverse_frequencies
 from model.text.llama3_chat import Llama3ChatFormat
+from scheduler.runner.kv_capacity import kv_bytes_per_block
 from tests.meta_reference import meta_model_module, meta_tokenizer, meta_tokenizer_path
 
 # Parameter counts of the published checkpoints (HF safetensors totals; 1B and 3B tie their
@@ -39,7 +40,8 @@ def test_parameter_counts_and_kv_bytes_are_the_published_ones(name):
     _, params, kv_bytes = PUBLISHED[name]
     config = preset_config(name)
     assert abs(config.num_parameters() - params) / params < 0.005
-    assert config.kv_bytes_per_token(dtype_bytes=2) == kv_bytes
+    per_token = kv_bytes_per_block(config.n_layers, config.n_kv_heads, config.head_dim, 1, 2)
+    assert per_token == kv_bytes
     assert config.ffn_dim == PUBLISHED_FFN[name]
     # The formula counts what the network really allocates.
     model = Llama.empty(config, max_position=16, device="meta")

@@ -6,6 +6,9 @@ Python loop per sequence: rows with a single new token (decodes) and rows with s
 (prefill chunks, with or without a cached prefix). Each group gathers its K/V through
 the block tables into a padded [B, max_context, n_kv_heads, head_dim] tensor and masks
 what lies past a sequence's length or after a query's own position.
+
+Like every backend it never allocates blocks or sees a request; it must stay the
+plainest correct code, because every faster kernel is judged against it.
 """
 
 from dataclasses import dataclass

@@ -2,6 +2,8 @@
 
 Parsing a GGUF takes seconds (the vocabulary alone is ~50k strings), so every consumer
 (config, tokenizer, chat template, weights) shares one `GGUFFile`.
+
+It must never dequantise or copy tensor data: readers stream that from the file.
 """
 
 from dataclasses import dataclass, field

@@ -1,5 +1,8 @@
 """Streams tensors out of an HF safetensors checkpoint (one file, or shards listed in
-`model.safetensors.index.json`) under their HF names, in the HF RoPE layout."""
+`model.safetensors.index.json`) under their HF names, in the HF RoPE layout.
+
+It yields tensors one at a time and never holds the whole checkpoint in memory.
+"""
 
 import json
 from collections.abc import Iterator

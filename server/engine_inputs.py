@@ -1,10 +1,13 @@
 """From an OpenAI request to engine inputs: prompt token ids checked against the
 vocabulary and the context length, and `SamplingParams` with every out-of-range field
-answered as a 400 that names it."""
+answered as a 400 that names it.
+
+It never admits a request: it only builds and checks what admission is handed.
+"""
 
 from __future__ import annotations
 
-from scheduler.request import InvalidParams, SamplingParams
+from scheduler.request import InvalidParams, SamplingParams, resolve_max_tokens
 from server.errors import APIError
 from server.protocol import MAX_STOP_STRINGS, SamplingFields
 from server.state import ServerState
@@ -20,30 +23,15 @@ def check_token_ids(ids: list[int], state: ServerState, param: str) -> None:
         )
 
 
-def resolve_max_tokens(
+def checked_max_tokens(
     requested: int | None, num_prompt: int, state: ServerState, param: str
 ) -> int:
-    """None means 'up to the context length', as vLLM does."""
-    limit = state.max_model_len
-    if num_prompt >= limit:
-        raise APIError(
-            400,
-            f"this model's maximum context length is {limit} tokens, but the prompt has "
-            f"{num_prompt} tokens",
-            "messages" if param == "max_completion_tokens" else "prompt",
-        )
-    if requested is None:
-        return limit - num_prompt
-    if requested < 1:
-        raise APIError(400, f"{param} must be at least 1, got {requested}", param)
-    if num_prompt + requested > limit:
-        raise APIError(
-            400,
-            f"this model's maximum context length is {limit} tokens, but {num_prompt} prompt "
-            f"tokens and {param}={requested} make {num_prompt + requested}",
-            param,
-        )
-    return requested
+    """The scheduler's context-length rule, answered as a 400 naming the client's field."""
+    prompt_param = "messages" if param == "max_completion_tokens" else "prompt"
+    try:
+        return resolve_max_tokens(requested, num_prompt, state.max_model_len, param, prompt_param)
+    except InvalidParams as exc:
+        raise APIError(400, str(exc), exc.param) from None
 
 
 def sampling_params(

@@ -1,0 +1,77 @@
+"""From a `SchedulerOutput` to tensors: the flat `Batch` for the forward and the
+`SamplingMetadata` for the sampler, plus which logits row belongs to which sequence.
+
+Pure functions of plain values; they never change what they are handed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from model.batch import Batch
+from model.sampler import SamplingMetadata
+from scheduler.step_data import ScheduledRequest
+
+
+@dataclass
+class StepInputs:
+    batch: Batch
+    # Per scheduled sequence, the logits rows of this step's tokens it owns: all of them
+    # when prompt logprobs are owed, else only the last.
+    first_row: list[int]
+    num_rows: list[int]
+
+    def last_row(self, index: int) -> int:
+        return self.first_row[index] + self.num_rows[index] - 1
+
+
+def build_step_inputs(
+    scheduled: list[ScheduledRequest], block_size: int, null_block: int, device: torch.device
+) -> StepInputs:
+    every_row = [s.prompt_logprobs_from is not None for s in scheduled]
+    batch = Batch.build(
+        [s.new_token_ids for s in scheduled],
+        [s.num_computed_tokens for s in scheduled],
+        [s.block_table for s in scheduled],
+        block_size,
+        device,
+        all_logits=every_row if any(every_row) else False,
+        null_block=null_block,
+    )
+    num_rows = [
+        len(s.new_token_ids) if every else 1 for s, every in zip(scheduled, every_row, strict=True)
+    ]
+    first_row, row = [], 0
+    for n in num_rows:
+        first_row.append(row)
+        row += n
+    return StepInputs(batch, first_row, num_rows)
+
+
+def sampling_metadata(
+    rows: list[ScheduledRequest],
+    generators: list[torch.Generator | None],
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingMetadata:
+    ps = [s.params for s in rows]
+    want = [p.logprobs for p in ps if p.logprobs is not None]
+    return SamplingMetadata.build(
+        temperature=[p.temperature for p in ps],
+        top_k=[p.top_k for p in ps],
+        top_p=[p.top_p for p in ps],
+        min_p=[p.min_p for p in ps],
+        presence_penalty=[p.presence_penalty for p in ps],
+        frequency_penalty=[p.frequency_penalty for p in ps],
+        repetition_penalty=[p.repetition_penalty for p in ps],
+        logit_bias=[p.logit_bias for p in ps],
+        suppress_ids=[sorted(s.suppress_token_ids) for s in rows],
+        prompt_ids=[s.prompt_ids for s in rows],
+        output_ids=[s.output_ids for s in rows],
+        generators=generators,
+        num_logprobs=max(want, default=-1),
+        vocab_size=vocab_size,
+        device=device,
+    )

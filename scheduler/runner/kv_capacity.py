@@ -1,0 +1,92 @@
+"""How many KV blocks the cache gets: bytes per block from the model's shape, a byte budget
+from the device, and the context length capped to what fits.
+
+Blocks come from a byte budget rather than a configured count, so fewer KV heads (GQA)
+means more blocks and more concurrent requests. This is the runner's business (device
+memory); the scheduler only learns the resulting number of blocks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from model.config import ModelConfig
+from scheduler.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 * 2**30
+# Room left on a GPU for activations and the sampler's [batch, vocab] temporaries.
+GPU_ACTIVATION_RESERVE_BYTES = 2 * 2**30
+
+
+def kv_bytes_per_block(
+    n_layers: int, n_kv_heads: int, head_dim: int, block_size: int, dtype_bytes: int
+) -> int:
+    """Bytes one block takes across all layers; the 2 is one K and one V tensor."""
+    return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype_bytes
+
+
+def num_blocks_for_budget(kv_budget_bytes: int, bytes_per_block: int) -> int:
+    """How many whole blocks fit in the budget; at least one, or the budget is an error."""
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
+    num_blocks = kv_budget_bytes // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(
+            f"KV-cache budget of {kv_budget_bytes} bytes holds no block of {bytes_per_block} "
+            "bytes; raise the KV-cache budget or lower --block-size"
+        )
+    return num_blocks
+
+
+@dataclass
+class KVCapacity:
+    num_blocks: int  # blocks requests can hold; the null block comes on top, inside the budget
+    bytes_per_block: int
+    max_model_len: int
+
+
+def plan_kv_capacity(
+    config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
+) -> KVCapacity:
+    """The context length is capped to what the cache can hold, so one request always fits."""
+    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    per_block = kv_bytes_per_block(
+        model.n_layers, model.n_kv_heads, model.head_dim, config.block_size, dtype_bytes
+    )
+    budget = config.kv_cache_memory
+    if budget is None:
+        if device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(device)
+            used = total - free
+            budget = (
+                int(total * config.gpu_memory_utilization) - used - GPU_ACTIVATION_RESERVE_BYTES
+            )
+        else:
+            budget = DEFAULT_CPU_KV_BYTES
+    # One block of the budget is the null block that pads block tables.
+    num_blocks = num_blocks_for_budget(budget - per_block, per_block)
+    capacity_tokens = num_blocks * config.block_size
+    max_model_len = config.max_model_len or model.max_position
+    if max_model_len > capacity_tokens:
+        logger.warning(
+            "max_model_len lowered from %d to %d: the KV cache holds no more tokens",
+            max_model_len,
+            capacity_tokens,
+        )
+        max_model_len = capacity_tokens
+    logger.info(
+        "KV cache: block size %d, %d bytes per block, %d blocks = %d tokens; "
+        "%d requests of max_model_len %d fit",
+        config.block_size,
+        per_block,
+        num_blocks,
+        capacity_tokens,
+        capacity_tokens // max_model_len,
+        max_model_len,
+    )
+    return KVCapacity(num_blocks, per_block, max_model_len)

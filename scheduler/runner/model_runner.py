@@ -1,0 +1,155 @@
+"""`ModelRunner`: tensors in, tokens out. It turns a `SchedulerOutput` into a `Batch` and
+sampling inputs, runs the forward and the sampler, and answers with plain per-request
+results in a `ModelRunnerOutput`.
+
+It owns every tensor-side decision: the KV-cache tensors and their size (device memory),
+the attention backend the model was built with, and the per-sequence seeded generators.
+It must never change request state: it reads the scheduler's plan and reports; the
+scheduler alone moves requests forward. A failure costs only the sequences it touched,
+never the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from model.llama import Llama
+from model.paged_cache import PagedKVCache
+from model.sampler import Sampler, SamplerOutput, token_logprobs
+from scheduler.config import EngineConfig
+from scheduler.request import TokenLogprob
+from scheduler.runner.inputs import build_step_inputs, sampling_metadata
+from scheduler.runner.kv_capacity import plan_kv_capacity
+from scheduler.step_data import (
+    ModelRunnerOutput,
+    SampledToken,
+    ScheduledRequest,
+    SchedulerOutput,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: Llama, config: EngineConfig) -> None:
+        self.model = model
+        weight = model.embed_tokens.weight
+        self.device = weight.device
+        self.block_size = config.block_size
+        capacity = plan_kv_capacity(config, model.config, weight.dtype, weight.device)
+        self.num_blocks = capacity.num_blocks
+        self.max_model_len = capacity.max_model_len
+        self.kv_cache = PagedKVCache.allocate(
+            model.config, capacity.num_blocks, config.block_size, weight.dtype, weight.device
+        )
+        self.sampler = Sampler()
+        # A seeded sequence draws from its own generator for its whole life, preemptions
+        # included, so its tokens do not depend on what else shares the batch.
+        self._generators: dict[str, torch.Generator] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        for request_id in plan.finished_ids:
+            self._generators.pop(request_id, None)
+        result = ModelRunnerOutput()
+        if not plan.scheduled:
+            return result
+        inputs = build_step_inputs(
+            plan.scheduled, self.block_size, self.kv_cache.null_block, self.device
+        )
+        started = time.monotonic()
+        try:
+            logits = self.model(inputs.batch, self.kv_cache)
+            result.forward_s = time.monotonic() - started
+            result.num_tokens = inputs.batch.num_tokens
+            for index, req in enumerate(plan.scheduled):
+                if req.prompt_logprobs_from is not None:
+                    first = inputs.first_row[index]
+                    rows = logits[first : first + inputs.num_rows[index]]
+                    result.prompt_logprobs[req.request_id] = _prompt_logprobs(req, rows)
+        except Exception:
+            logger.exception(
+                "forward failed; failing the %d requests of this step", len(plan.scheduled)
+            )
+            _fail(result, plan.scheduled, "internal error in the model forward")
+            return result
+
+        indices = [i for i, req in enumerate(plan.scheduled) if req.sample]
+        sampling = [plan.scheduled[i] for i in indices]
+        if not sampling:
+            return result
+        try:
+            meta = sampling_metadata(
+                sampling, [self._generator(r) for r in sampling], self.vocab_size, self.device
+            )
+            out = self.sampler(logits[[inputs.last_row(i) for i in indices]], meta)
+            result.sampled = _sampled_tokens(sampling, out)
+        except Exception:
+            # Only the rows that sampled are lost; an exception escaping the step would stop
+            # the engine thread and with it every request on the server.
+            logger.exception("sampling failed; failing the %d requests it held", len(sampling))
+            _fail(result, sampling, "internal error in the sampler")
+        return result
+
+    def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
+        if req.seed is None or req.params.greedy:
+            return None
+        generator = self._generators.get(req.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(req.seed)
+            self._generators[req.request_id] = generator
+        return generator
+
+
+def _prompt_logprobs(req: ScheduledRequest, logits: torch.Tensor) -> list[TokenLogprob]:
+    """logits: one row per token of this chunk; the row at position p scores prompt token
+    p + 1. Positions scored before (ahead of a preemption) are skipped."""
+    start = req.num_computed_tokens
+    first = req.prompt_logprobs_from or 0  # next position to score
+    end = min(start + logits.shape[0], len(req.prompt_ids) - 1)
+    if end <= first:
+        return []
+    targets = torch.tensor(req.prompt_ids[first + 1 : end + 1], device=logits.device)
+    num_top = req.params.prompt_logprobs or 0
+    chosen, top_ids, top_lps = token_logprobs(logits[first - start : end - start], targets, num_top)
+    chosen_l = chosen.tolist()
+    ids_l = top_ids.tolist() if top_ids is not None else [[] for _ in chosen_l]
+    lps_l = top_lps.tolist() if top_lps is not None else [[] for _ in chosen_l]
+    return [
+        TokenLogprob(token, lp, list(zip(ids, lps, strict=True)))
+        for token, lp, ids, lps in zip(targets.tolist(), chosen_l, ids_l, lps_l, strict=True)
+    ]
+
+
+def _sampled_tokens(reqs: list[ScheduledRequest], out: SamplerOutput) -> dict[str, SampledToken]:
+    token_ids = out.token_ids.tolist()
+    chosen = out.logprobs.tolist() if out.logprobs is not None else None
+    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
+    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    sampled = {}
+    for i, req in enumerate(reqs):
+        logprob = None
+        num_top = req.params.logprobs
+        if chosen is not None and num_top is not None:
+            top = (
+                list(zip(top_ids[i][:num_top], top_lps[i][:num_top], strict=False))
+                if top_ids and num_top
+                else []
+            )
+            logprob = TokenLogprob(token_ids[i], chosen[i], top)
+        sampled[req.request_id] = SampledToken(token_ids[i], logprob)
+    return sampled
+
+
+def _fail(result: ModelRunnerOutput, reqs: list[ScheduledRequest], message: str) -> None:
+    for req in reqs:
+        result.errors[req.request_id] = message
+        result.sampled.pop(req.request_id, None)
+        result.prompt_logprobs.pop(req.request_id, None)

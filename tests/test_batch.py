@@ -1,0 +1,37 @@
+"""Tests for model/batch.py: positions and slots of a ragged flat batch, and block tables
+padded with the cache's null block, never with a live one."""
+
+import pytest
+import torch
+
+from model.batch import Batch
+from model.config import ModelConfig
+from model.paged_cache import PagedKVCache
+
+BLOCK = 4
+
+
+def test_positions_and_slots_of_a_ragged_batch() -> None:
+    batch = Batch.build([[1, 2, 3], [4]], [0, 9], [[5], [0, 1, 7]], BLOCK, null_block=8)
+    assert batch.positions.tolist() == [0, 1, 2, 9]
+    assert batch.slot_mapping.tolist() == [20, 21, 22, 7 * BLOCK + 1]
+    assert batch.seq_lens == [3, 10] and batch.query_lens == [3, 1]
+
+
+def test_shorter_block_tables_are_padded_with_the_null_block() -> None:
+    config = ModelConfig(
+        dim=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=8, vocab_size=16
+    )
+    cache = PagedKVCache.allocate(config, num_blocks=6, block_size=BLOCK)
+    # Requests hold blocks 0..5; the tensor has one more, the null block, owned by nobody.
+    assert cache.num_blocks == 6 and cache.null_block == 6 and cache.k.shape[1] == 7
+    batch = Batch.build([[1], [2, 3]], [5, 0], [[0, 1], [2]], BLOCK, null_block=cache.null_block)
+    assert batch.block_tables.tolist() == [[0, 1], [2, cache.null_block]]
+
+
+def test_ragged_tables_without_a_null_block_are_refused() -> None:
+    with pytest.raises(ValueError, match="null block"):
+        Batch.build([[1], [2]], [5, 0], [[0, 1], [2]], BLOCK)
+    # Equal lengths need no padding.
+    batch = Batch.build([[1], [2]], [0, 0], [[0], [1]], BLOCK)
+    assert batch.block_tables.dtype == torch.int64
