@@ -44,14 +44,18 @@ def build_app(
     app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
     app.add_middleware(RequestContext, on_status=metrics.count_response)
 
+    keys = [key.encode() for key in state.api_keys]
+
     def authorized(request: Request) -> None:
-        if state.api_key is None:
+        if not keys:
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            token.strip().encode(), state.api_key.encode()
-        ):
+        offered = token.strip().encode()
+        # Every key is compared, in constant time, so the answer's timing tells nothing
+        # about which key came close.
+        matches = [hmac.compare_digest(offered, key) for key in keys]
+        if scheme.lower() != "bearer" or not any(matches):
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
     def check_model(model: str | None) -> None:
@@ -106,7 +110,8 @@ def build_app(
         check_token_ids(req.tokens, state, "tokens")
         return {"prompt": state.tokenizer.decode(req.tokens)}
 
-    @app.get("/metrics")
+    # Open by default, as Prometheus scrapes without credentials; guarded on request.
+    @app.get("/metrics", dependencies=guarded if state.metrics_require_api_key else [])
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 

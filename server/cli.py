@@ -13,6 +13,7 @@ import argparse
 import logging
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -85,8 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument(
         "--api-key",
-        default=os.environ.get("LLAMASERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default $LLAMASERVE_API_KEY)",
+        nargs="+",
+        default=[os.environ["LLAMASERVE_API_KEY"]] if os.environ.get("LLAMASERVE_API_KEY") else [],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' with one of these keys on every API route, "
+        "/tokenize and /detokenize included (default $LLAMASERVE_API_KEY); /health stays open",
+    )
+    serve.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="more keys, one per line ('#' comments), kept out of the process list",
+    )
+    serve.add_argument(
+        "--metrics-require-api-key",
+        action="store_true",
+        help="guard /metrics with the API key too (default: open, for Prometheus)",
     )
     serve.add_argument(
         "--max-model-len",
@@ -189,15 +204,36 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
+class UsageError(ValueError):
+    """Flags that contradict each other or name an unusable file: one sentence, exit 2."""
+
+
+def read_api_keys(path: str) -> list[str]:
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--api-key-file {path} cannot be read: {exc}") from None
+    keys = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not keys:
+        raise UsageError(f"--api-key-file {path} holds no key")
+    return keys
+
+
 def serve(args: argparse.Namespace) -> int:
     from server.launch import ServeConfig, build_server, uvicorn_server
 
+    api_keys = list(args.api_key)
+    if args.api_key_file is not None:
+        api_keys += read_api_keys(args.api_key_file)
+    if args.metrics_require_api_key and not api_keys:
+        raise UsageError("--metrics-require-api-key needs --api-key or --api-key-file")
     config = ServeConfig(
         model=args.model_path or args.model,
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
-        api_key=args.api_key,
+        api_keys=api_keys,
+        metrics_require_api_key=args.metrics_require_api_key,
         device=args.device,
         dtype=DTYPES[args.dtype],
         engine=EngineConfig(
@@ -239,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             return generate(args)
         if args.command == "serve":
             return serve(args)
-    except (ModelFileError, UnsupportedModelError) as exc:
+    except (ModelFileError, UnsupportedModelError, UsageError) as exc:
         print(f"llamaserve: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -35,7 +35,8 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: list[str] = field(default_factory=list)
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    metrics_require_api_key: bool = False
     device: str = "cpu"
     dtype: torch.dtype = torch.float32
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -85,7 +86,8 @@ def build_server(
         extra_model_names=names[1:],
         max_model_len=engine.scheduler.config.max_model_len,
         vocab_size=loaded.config.vocab_size,
-        api_key=config.api_key,
+        api_keys=config.api_keys,
+        metrics_require_api_key=config.metrics_require_api_key,
         max_request_bytes=config.max_request_bytes,
     )
     app = build_app(state, metrics, config.allowed_origins)

@@ -18,7 +18,8 @@ class ServerState:
     model_name: str
     max_model_len: int
     vocab_size: int
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)  # empty: no key needed
+    metrics_require_api_key: bool = False
     max_request_bytes: int = 8 * 2**20
     fingerprint: str = "fp_llamaserve"
     extra_model_names: list[str] = field(default_factory=list)

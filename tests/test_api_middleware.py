@@ -13,6 +13,7 @@ import pytest
 from tests.live_server import assert_error, running_server
 
 API_KEY = "sk-test-4f3a"
+SECOND_KEY = "sk-test-rotated-9c1d"
 ORIGIN = "https://app.example.com"
 MAX_REQUEST_BYTES = 4096
 
@@ -21,7 +22,8 @@ MAX_REQUEST_BYTES = 4096
 def guarded(ours_default):
     with running_server(
         ours_default,
-        api_key=API_KEY,
+        api_keys=[API_KEY, SECOND_KEY],
+        metrics_require_api_key=True,
         allowed_origins=[ORIGIN],
         max_request_bytes=MAX_REQUEST_BYTES,
     ) as live:
@@ -112,6 +114,31 @@ def test_api_key_required(guarded):
         assert c.get("/models", headers=good).status_code == 200
         # Health is for load balancers and needs no key.
         assert c.get(f"{guarded.base_url}/health").status_code == 200
+
+
+def test_every_key_is_accepted_and_every_route_but_health_is_guarded(guarded):
+    base = guarded.base_url
+    with httpx.Client(base_url=base, timeout=60) as c:
+        for key in (API_KEY, SECOND_KEY):
+            r = c.post(
+                "/v1/completions",
+                json={"prompt": "Hi", "max_tokens": 1},
+                headers={"Authorization": f"Bearer {key}"},
+            )
+            assert r.status_code == 200, r.text
+        good = {"Authorization": f"Bearer {SECOND_KEY}"}
+        routes = [
+            ("POST", "/tokenize", {"prompt": "Hi"}),
+            ("POST", "/detokenize", {"tokens": [1, 2]}),
+            ("GET", "/metrics", None),
+        ]
+        for method, path, body in routes:
+            assert_error(c.request(method, path, json=body), 401)
+            assert_error(
+                c.request(method, path, json=body, headers={"Authorization": "Bearer nope"}), 401
+            )
+            assert c.request(method, path, json=body, headers=good).status_code == 200, path
+        assert c.get("/health").status_code == 200
 
 
 def test_api_key_with_openai_client(guarded):

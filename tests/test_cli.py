@@ -10,6 +10,7 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from model.greedy import greedy_tokens
+from server.cli import read_api_keys
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -102,3 +103,18 @@ def test_generate_prints_greedy_text(ours_default):
     result = run_cli("generate", prompt, "--max-tokens", "12", "--threads", "1")
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == expected
+
+
+def test_api_key_file_problems_are_one_sentence(tmp_path):
+    missing = tmp_path / "no-such-keys"
+    assert_one_clear_sentence(run_cli("serve", "--api-key-file", str(missing)), str(missing))
+    empty = tmp_path / "keys"
+    empty.write_text("# rotated out\n\n")
+    assert_one_clear_sentence(run_cli("serve", "--api-key-file", str(empty)), "holds no key")
+    assert_one_clear_sentence(run_cli("serve", "--metrics-require-api-key"), "--api-key")
+
+
+def test_api_key_file_reads_one_key_a_line(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# production\nsk-one\n\n  sk-two  \n")
+    assert read_api_keys(str(keys)) == ["sk-one", "sk-two"]
