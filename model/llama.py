@@ -19,6 +19,7 @@ from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
 from model.config import ModelConfig
 from model.paged_cache import PagedKVCache
+from model.quantized_linear import QuantizedLinear, quantized_linear
 from model.rope import RotaryEmbedding, apply_rope
 
 
@@ -88,8 +89,30 @@ class Llama(nn.Module):
         self.rope = RotaryEmbedding(config, max_position or config.max_position, device)
 
     def tie_weights(self) -> None:
-        if self.config.tie_embeddings:
+        # A quantised output projection is its own packed copy of the embedding.
+        if self.config.tie_embeddings and isinstance(self.lm_head, nn.Linear):
             self.lm_head.weight = self.embed_tokens.weight
+
+    def quantize_linears(self, quantization: str) -> None:
+        """Swaps every decoder linear layer for an empty quantised one, before loading:
+        weights then stream straight into the quantised form. The output projection keeps
+        the model dtype: it is where 4 bits cost the most (GGUF files keep it at 8 bits or
+        more), and a tied one then shares the embedding's memory."""
+        for owner in self.layers:
+            for name, child in list(owner.named_children()):
+                if isinstance(child, nn.Linear):
+                    replacement = quantized_linear(
+                        quantization, child.in_features, child.out_features, "meta"
+                    )
+                    setattr(owner, name, replacement)
+
+    def quantized_modules(self) -> dict[str, QuantizedLinear]:
+        """Parameter-style names ('layers.0.qkv_proj.weight') of the quantised layers."""
+        return {
+            f"{name}.weight": module
+            for name, module in self.named_modules()
+            if isinstance(module, QuantizedLinear)
+        }
 
     @classmethod
     def empty(
@@ -98,12 +121,18 @@ class Llama(nn.Module):
         max_position: int | None = None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        quantization: str | None = None,
     ) -> Llama:
         """A model with uninitialised weights: random init of a model about to be loaded
-        costs seconds for nothing."""
+        costs seconds for nothing. With `quantization`, the linear layers are quantised
+        ones, filled as the weights load."""
         with torch.device("meta"):
             model = cls(config, max_position, device="meta")
+            if quantization is not None:
+                model.quantize_linears(quantization)
         model = model.to_empty(device=device).to(dtype)
+        for module in model.quantized_modules().values():
+            module.to(torch.bfloat16)  # the packed kernels take bf16 scales, whatever `dtype`
         model.tie_weights()  # materialising gives the tied weight two separate storages
         model.rope = RotaryEmbedding(config, max_position or config.max_position, device)
         return model
@@ -118,16 +147,21 @@ class Llama(nn.Module):
         dtype: torch.dtype = torch.float32,
         seed: int = 0,
         std: float = 0.02,
+        quantization: str | None = None,
     ) -> Llama:
         """A model with seeded random weights (matrices N(0, std), norm gains 1), drawn on
         `device` itself: PyTorch's default init on the CPU takes minutes at 8B parameters."""
-        model = cls.empty(config, max_position, device, dtype)
+        model = cls.empty(config, max_position, device, dtype, quantization)
         generator = torch.Generator(device=device).manual_seed(seed)
         for param in model.parameters():  # a tied weight is listed once
             if param.dim() == 1:
                 param.fill_(1.0)
             else:
                 param.normal_(0.0, std, generator=generator)
+        for module in model.quantized_modules().values():
+            shape = (module.out_features, module.in_features)
+            weight = torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+            module.load_rows(0, weight)
         return model.eval()
 
     @torch.inference_mode()
@@ -158,7 +192,8 @@ class Llama(nn.Module):
             "mlp.down_proj": ("down_proj", 0),
         }
         params = dict(self.named_parameters())
-        expected = {f"{n}@0" for n in params if "proj" not in n}
+        quantized = self.quantized_modules()
+        expected = {f"{n}@0" for n in params if "proj" not in n} | {"lm_head.weight@0"}
         for i in range(c.n_layers):
             expected |= {f"layers.{i}.{ours}.weight@{row}" for ours, row in fused.values()}
         if c.tie_embeddings:
@@ -176,6 +211,12 @@ class Llama(nn.Module):
             key = f"{name}@{row}"
             if key not in expected:
                 raise ValueError(f"unexpected weight {hf_name} with shape {tuple(tensor.shape)}")
+            seen.add(key)
+            if name == "embed_tokens.weight" and "lm_head.weight" in quantized:
+                quantized["lm_head.weight"].load_rows(0, tensor)  # tied: quantised from it
+            if name in quantized:
+                quantized[name].load_rows(row, tensor)
+                continue
             target = params[name]
             rows = tensor.shape[0]
             dest = target[row : row + rows] if target.dim() == 2 else target
@@ -185,7 +226,6 @@ class Llama(nn.Module):
                     f"expected {tuple(dest.shape)}"
                 )
             dest.copy_(tensor)
-            seen.add(key)
         missing = expected - seen
         if missing:
             names = sorted(m.split("@")[0] for m in missing)

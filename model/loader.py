@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -33,8 +34,14 @@ from model.text.llama3_tokenizer import (
 )
 from model.text.tokenizer import Tokenizer
 from model.text.tokenizer_files import tokenizer_from_gguf, tokenizer_from_hf_dir
+from model.weight_format import WeightFormat, resolve_weight_format
 from model.weights.default_model import DEFAULT_MODEL_NAME, default_model_path
-from model.weights.gguf import check_tensor_types, count_gguf_tensors, iter_gguf_weights
+from model.weights.gguf import (
+    check_tensor_types,
+    count_gguf_tensors,
+    iter_gguf_weights,
+    linear_weight_bits,
+)
 from model.weights.gguf_file import open_gguf
 from model.weights.meta import count_meta_tensors, iter_meta_weights, open_meta_checkpoint
 from model.weights.safetensors import count_tensors, iter_safetensors, safetensors_files
@@ -55,17 +62,24 @@ class LoadedModel:
 def load_model(
     path: str | Path | None = None,
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     max_position: int | None = None,
     progress: bool = True,
+    quantization: str | None = None,
 ) -> LoadedModel:
+    """quantization: None keeps every weight in `dtype`; "int8" or "int4" quantises the
+    decoder's linear layers as they load (model/quantized_linear.py). dtype "auto" or
+    quantization "auto" choose by timing this machine (model/weight_format.py)."""
     started = time.perf_counter()
     path = Path(path) if path is not None else default_model_path()
     if path.is_dir() and (path / "config.json").is_file():
         config = ModelConfig.from_hf_dir(path)
         files = safetensors_files(path)
         total = count_tensors(files)
-        weights: Iterator[tuple[str, torch.Tensor]] = iter_safetensors(files, dtype)
+        read_weights: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]] = partial(
+            iter_safetensors, files
+        )
+        checkpoint_bits = None
         tokenizer = tokenizer_from_hf_dir(path)
         template = ChatTemplate.from_hf_dir(path, tokenizer)
         name = path.name
@@ -76,7 +90,8 @@ def load_model(
             checkpoint.params, checkpoint.tensor_names, source=params_file
         )
         total = count_meta_tensors(checkpoint)
-        weights = iter_meta_weights(checkpoint, config, dtype)
+        read_weights = partial(iter_meta_weights, checkpoint, config)
+        checkpoint_bits = None
         tokenizer = _meta_tokenizer(path, config)
         template = None
         name = path.name
@@ -91,7 +106,8 @@ def load_model(
         names = {t.name for t in gguf.reader.tensors}
         config = ModelConfig.from_gguf_metadata(gguf.metadata, names, source=str(path))
         total = count_gguf_tensors(gguf)
-        weights = iter_gguf_weights(gguf, config, dtype)
+        read_weights = partial(iter_gguf_weights, gguf, config)
+        checkpoint_bits = linear_weight_bits(gguf)
         tokenizer = tokenizer_from_gguf(gguf.metadata)
         template = ChatTemplate.from_gguf_metadata(gguf.metadata, tokenizer)
         name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
@@ -105,7 +121,10 @@ def load_model(
         # Llama 3 checkpoints without a Jinja template still chat the way Meta formats it.
         template = llama3_chat_format(tokenizer)
 
-    model = Llama.empty(config, max_position, device, dtype)
+    fmt = _weight_format(dtype, quantization, config, device, checkpoint_bits)
+    # Quantised layers are filled from the checkpoint's own values, not a rounded copy.
+    weights = read_weights(torch.float32 if fmt.quantization else fmt.dtype)
+    model = Llama.empty(config, max_position, device, fmt.dtype, fmt.quantization)
     bar = tqdm(weights, total=total, desc="loading weights", unit="tensor", disable=not progress)
     # Dequantisation is many small ops: one thread is several times faster than two that
     # wait on each other, and far faster when another process holds a core.
@@ -120,16 +139,30 @@ def load_model(
     finally:
         torch.set_num_threads(threads)
     model.eval()
-    params = sum(p.numel() for p in model.parameters())
     logger.info(
         "loaded %s: %.1fM parameters, %s on %s in %.1f s",
         name,
-        params / 1e6,
-        str(dtype).removeprefix("torch."),
+        config.num_parameters() / 1e6,
+        fmt.describe(),
         device,
         time.perf_counter() - started,
     )
     return LoadedModel(name, path, config, model, tokenizer, template)
+
+
+def _weight_format(
+    dtype: torch.dtype | str,
+    quantization: str | None,
+    config: ModelConfig,
+    device: str,
+    checkpoint_bits: int | None,
+) -> WeightFormat:
+    if isinstance(dtype, torch.dtype) and quantization != "auto":
+        return WeightFormat(dtype, quantization)
+    dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    return resolve_weight_format(
+        config, torch.device(device), dtype_name, quantization or "none", checkpoint_bits
+    )
 
 
 def default_model_path_or_none() -> Path | None:
@@ -166,6 +199,7 @@ def load_random_model(
     seed: int = 0,
     tokenizer_path: str | Path | None = None,
     max_position: int | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
     """A model of a named published shape (`model.presets`) with random weights, to exercise
     memory, KV-cache capacity and speed at that scale without its checkpoint.
@@ -182,11 +216,11 @@ def load_random_model(
             f"{path}: {tokenizer.vocab_size} tokens do not fit {preset}'s vocabulary of "
             f"{config.vocab_size}"
         )
-    model = Llama.random(config, max_position, device, dtype, seed)
+    model = Llama.random(config, max_position, device, dtype, seed, quantization=quantization)
     logger.info(
         "built %s with random weights: %.1fM parameters, %s on %s in %.1f s (tokenizer: %s)",
         preset,
-        sum(p.numel() for p in model.parameters()) / 1e6,
+        config.num_parameters() / 1e6,
         str(dtype).removeprefix("torch."),
         device,
         time.perf_counter() - started,

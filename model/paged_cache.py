@@ -6,8 +6,10 @@ Which block belongs to which request is the scheduler's business (its KVCacheMan
 this module only holds memory and never allocates blocks.
 """
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model.config import ModelConfig
@@ -31,8 +33,8 @@ class PagedKVCache:
         """num_blocks: the blocks requests can hold (ids 0..num_blocks - 1)."""
         shape = (config.n_layers, num_blocks + 1, block_size, config.n_kv_heads, config.head_dim)
         return cls(
-            k=torch.zeros(shape, dtype=dtype, device=device),
-            v=torch.zeros(shape, dtype=dtype, device=device),
+            k=_zeros(shape, dtype, torch.device(device)),
+            v=_zeros(shape, dtype, torch.device(device)),
             block_size=block_size,
         )
 
@@ -46,3 +48,14 @@ class PagedKVCache:
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.k[index], self.v[index]
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros (unwritten slots must hold finite values: attention multiplies masked ones by
+    0, and 0 * NaN is NaN). On the CPU they come from calloc, whose large allocations are
+    the kernel's zero pages: a page becomes resident only when a block on it is written,
+    so a generous KV budget costs memory only as far as it is used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    num_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(num_bytes, dtype=np.uint8)).view(dtype).view(shape)

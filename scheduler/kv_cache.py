@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -66,8 +66,10 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self._blocks = [_Block(block_id) for block_id in range(num_blocks)]
-        # Blocks holding nothing reusable; always taken before any cached block.
-        self._free_block_ids: deque[int] = deque(range(num_blocks))
+        # Blocks holding nothing reusable; always taken before any cached block. A stack: the
+        # block freed last is taken first, so on a CPU only as many blocks as were ever in
+        # use at once have their pages resident (the KV tensors are lazily zeroed memory).
+        self._free_block_ids: list[int] = list(reversed(range(num_blocks)))
         # Cached blocks nobody references, least recently freed first: still hittable, and
         # evicted from the front when the free list runs dry.
         self._evictable: OrderedDict[int, None] = OrderedDict()
@@ -232,7 +234,7 @@ class KVCacheManager:
 
     def _take_block(self) -> int:
         if self._free_block_ids:
-            block = self._blocks[self._free_block_ids.popleft()]
+            block = self._blocks[self._free_block_ids.pop()]
         else:
             block_id, _ = self._evictable.popitem(last=False)
             block = self._blocks[block_id]

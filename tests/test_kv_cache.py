@@ -70,12 +70,27 @@ def test_failed_allocation_changes_nothing() -> None:
     assert kv.num_free_blocks == 0
 
 
+def test_the_block_freed_last_is_taken_first() -> None:
+    # Uncached blocks are reused most recent first, so the pages of blocks never needed at
+    # once are never touched.
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    kv.allocate_slots("x", list(range(4)), 0, 4)
+    kv.allocate_slots("a", list(range(8)), 0, 8)
+    assert (kv.block_table("x"), kv.block_table("a")) == ([0], [1, 2])
+    kv.free("x")
+    kv.allocate_slots("a", list(range(10)), 8, 2)
+    assert kv.block_table("a") == [1, 2, 0]
+    kv.free("a")
+    kv.allocate_slots("b", list(range(4)), 0, 4)
+    assert kv.block_table("b") == [1]  # a freed its tail first: 0, then 2, then 1
+
+
 def test_production_slots_follow_the_block_table() -> None:
     kv = KVCacheManager(num_blocks=4, block_size=4)
     kv.allocate_slots("x", list(range(4)), 0, 4)  # takes block 0
     kv.allocate_slots("a", list(range(8)), 0, 8)  # takes blocks 1, 2
     kv.free("x")
-    kv.allocate_slots("a", list(range(10)), 8, 2)  # block 3: the free list is first in, first out
+    kv.allocate_slots("a", list(range(10)), 8, 2)  # block 3: x's block 0 stays cached
     assert kv.block_table("a") == [1, 2, 3]
     assert production_slots(kv, "a", 2, 10) == [6, 7, 8, 9, 10, 11, 12, 13]
     assert production_slots(kv, "a", 9, 10) == [13]

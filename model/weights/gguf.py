@@ -89,5 +89,31 @@ def check_tensor_types(gguf: GGUFFile) -> None:
             )
 
 
+# Bits per weight of the block types, as far as requantising goes: a 4-bit type (a scale
+# and a zero or minimum per group) fits int4 exactly; 5 to 8 bits want int8.
+_TYPE_BITS = {
+    "Q2_K": 2, "Q3_K": 3, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4,
+    "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8,
+}  # fmt: skip
+_LINEAR_SUFFIXES = tuple(
+    f"{name}.weight"
+    for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+)
+
+
+def linear_weight_bits(gguf: GGUFFile) -> int | None:
+    """The widest quantised type among the decoder's linear weights, or None when any of
+    them is stored as floats: how far weights may be requantised without losing what the
+    file holds."""
+    bits = [
+        _TYPE_BITS.get(t.tensor_type.name)
+        for t in gguf.reader.tensors
+        if t.name.endswith(_LINEAR_SUFFIXES)
+    ]
+    if not bits or None in bits:
+        return None
+    return max(bits)
+
+
 def count_gguf_tensors(gguf: GGUFFile) -> int:
     return sum(1 for t in gguf.reader.tensors if t.name not in _IGNORED)

@@ -1,0 +1,149 @@
+"""Weight-only quantised linear layers for the CPU: int8 (one scale per output row) and
+int4 (groups of 32 along the input, a scale and a zero each), on PyTorch's packed kernels
+(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) with bf16 activations.
+
+Weights arrive in rows (a fused QKV weight as its Q, K and V parts) and are quantised as
+they come, from the checkpoint's own values, so no full-precision copy of the model is
+ever held: a module keeps only its small integer staging buffer until its last rows are in,
+then packs. A GGUF Q4_1 group (w = d * q + m, q in 0..15) requantises to int4 without loss
+when its q span 0..15: the scale is d and the zero m + 8d. Nothing here knows the network.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+INT4_GROUP = 32
+QUANTIZATIONS = ("int8", "int4")
+
+
+class QuantizedLinear(nn.Module):
+    """A bias-free linear layer whose weight is filled by `load_rows`, then packed."""
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self._rows_loaded = 0
+        self._staging: torch.Tensor | None = None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.buffers()).device
+
+    @property
+    def ready(self) -> bool:
+        return self._rows_loaded == self.out_features
+
+    def load_rows(self, row: int, weight: torch.Tensor) -> None:
+        """weight: [rows, in_features], any float dtype; rows may come in any order."""
+        rows = weight.shape[0]
+        if weight.shape[1] != self.in_features or not 0 <= row <= self.out_features - rows:
+            raise ValueError(
+                f"rows {row}..{row + rows} of width {weight.shape[1]} do not fit a "
+                f"[{self.out_features}, {self.in_features}] weight"
+            )
+        if self._staging is None:
+            self._staging = self._new_staging()
+        self._stage(row, weight.to(self.device, torch.float32))
+        self._rows_loaded += rows
+        if self.ready:
+            self._pack()
+            self._staging = None
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}"
+
+    def _new_staging(self) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _stage(self, row: int, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _pack(self) -> None:
+        raise NotImplementedError
+
+
+class Int8Linear(QuantizedLinear):
+    """Symmetric int8, one scale per output row."""
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
+        super().__init__(in_features, out_features, device)
+        self.register_buffer(
+            "scales", torch.empty(out_features, dtype=torch.bfloat16, device=device)
+        )
+        self.register_buffer("weight_int8", torch.empty(0, dtype=torch.int8, device=device))
+
+    def _new_staging(self) -> torch.Tensor:
+        return torch.empty(
+            self.out_features, self.in_features, dtype=torch.int8, device=self.device
+        )
+
+    def _stage(self, row: int, weight: torch.Tensor) -> None:
+        scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+        q = (weight / scale[:, None]).round().clamp(-127, 127)
+        self._staging[row : row + weight.shape[0]] = q.to(torch.int8)
+        self.scales[row : row + weight.shape[0]] = scale.to(torch.bfloat16)
+
+    def _pack(self) -> None:
+        self.weight_int8 = self._staging
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int8pack_mm(flat, self.weight_int8, self.scales)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(QuantizedLinear):
+    """Asymmetric int4 in groups of 32 input columns: w = (q - 8) * scale + zero."""
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
+        if in_features % INT4_GROUP or out_features % 16:
+            raise ValueError(
+                f"int4 needs in_features divisible by {INT4_GROUP} and out_features by 16, "
+                f"got [{out_features}, {in_features}]"
+            )
+        super().__init__(in_features, out_features, device)
+        groups = in_features // INT4_GROUP
+        self.register_buffer(
+            "scales_and_zeros",
+            torch.empty(groups, out_features, 2, dtype=torch.bfloat16, device=device),
+        )
+        self.register_buffer("weight_int4", torch.empty(0, dtype=torch.uint8, device=device))
+
+    def _new_staging(self) -> torch.Tensor:
+        return torch.empty(
+            self.out_features, self.in_features, dtype=torch.uint8, device=self.device
+        )
+
+    def _stage(self, row: int, weight: torch.Tensor) -> None:
+        rows = weight.shape[0]
+        groups = weight.reshape(rows, -1, INT4_GROUP)
+        low = groups.amin(dim=-1, keepdim=True)
+        scale = ((groups.amax(dim=-1, keepdim=True) - low) / 15.0).clamp(min=1e-12)
+        q = ((groups - low) / scale).round().clamp(0, 15)
+        self._staging[row : row + rows] = q.reshape(rows, -1).to(torch.uint8)
+        zero = low + 8.0 * scale
+        pairs = torch.cat([scale, zero], dim=-1).transpose(0, 1)  # [groups, rows, 2]
+        self.scales_and_zeros[:, row : row + rows] = pairs.to(torch.bfloat16)
+
+    def _pack(self) -> None:
+        q = self._staging.to(torch.int32)
+        self.weight_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            flat, self.weight_int4, INT4_GROUP, self.scales_and_zeros
+        )
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def quantized_linear(
+    quantization: str, in_features: int, out_features: int, device: torch.device | str
+) -> QuantizedLinear:
+    if quantization == "int8":
+        return Int8Linear(in_features, out_features, device)
+    if quantization == "int4":
+        return Int4Linear(in_features, out_features, device)
+    raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")

@@ -1,0 +1,146 @@
+"""Which format the weights run in: compute dtype and weight-only quantisation, chosen at
+start-up by timing the model's own layer shapes on this machine.
+
+What is fastest differs from CPU to CPU: with AVX-512 BF16, int4 weights with bf16
+activations are several times faster than fp32 at decode batch sizes; on an AVX2-only CPU
+bf16 matrix multiplies run ten times slower than fp32. So nothing is assumed: `auto` times
+each allowed candidate and takes the fastest. It never quantises below the checkpoint's own
+precision on its own (a Q4 GGUF may run as int4, an fp16 checkpoint is not made int4
+unless asked). It must never change weights: the loader applies the choice.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+from model.quantized_linear import quantized_linear
+
+logger = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MEASURED_BATCH_SIZES = (1, 8, 32)
+
+
+@dataclass(frozen=True)
+class WeightFormat:
+    dtype: torch.dtype
+    quantization: str | None = None  # "int8", "int4", or None: weights in `dtype`
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        return f"{dtype} + {self.quantization}" if self.quantization else dtype
+
+
+def candidate_formats(
+    dtype: str, quantization: str, checkpoint_bits: int | None, device: torch.device
+) -> list[WeightFormat]:
+    """The formats the flags allow. checkpoint_bits: the widest of the linear weights'
+    quantised types (4 for a Q4 GGUF), or None for float weights."""
+    if quantization != "auto":
+        quant = None if quantization == "none" else quantization
+        if quant is not None and device.type != "cpu":
+            raise ValueError(f"--quantization {quant} runs on the CPU only")
+        if dtype != "auto":
+            return [WeightFormat(DTYPES[dtype], quant)]
+        # The packed kernels want bf16 activations; fp32 ones run 10-100x slower.
+        return [WeightFormat(torch.bfloat16, quant)] if quant else _float_formats(device)
+    floats = _float_formats(device) if dtype == "auto" else [WeightFormat(DTYPES[dtype])]
+    if device.type != "cpu" or checkpoint_bits is None or dtype not in ("auto", "bfloat16"):
+        return floats
+    quantized = [WeightFormat(torch.bfloat16, "int8")]
+    if checkpoint_bits <= 4:
+        quantized.append(WeightFormat(torch.bfloat16, "int4"))
+    return floats + quantized
+
+
+def _float_formats(device: torch.device) -> list[WeightFormat]:
+    if device.type == "cuda":
+        return [WeightFormat(torch.bfloat16)]
+    return [WeightFormat(torch.float32), WeightFormat(torch.bfloat16)]
+
+
+def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) -> float:
+    """Milliseconds the linear layers of one forward take in `fmt`, averaged over a few
+    batch sizes: one decoder layer's four shapes, times the number of layers, plus the
+    output projection."""
+    shapes = [
+        (config.dim, config.q_size + 2 * config.kv_size),
+        (config.q_size, config.dim),
+        (config.dim, 2 * config.ffn_dim),
+        (config.ffn_dim, config.dim),
+    ]
+    layers: list[Callable[[torch.Tensor], torch.Tensor]] = []
+    for in_features, out_features in shapes:
+        weight = torch.randn(out_features, in_features, device=device) * 0.02
+        if fmt.quantization is None:
+            linear = nn.Linear(in_features, out_features, bias=False, device=device)
+            linear.weight.data = weight.to(fmt.dtype)
+            layers.append(linear)
+        else:
+            module = quantized_linear(fmt.quantization, in_features, out_features, device)
+            module.load_rows(0, weight)
+            layers.append(module)
+    head = torch.randn(config.vocab_size, config.dim, device=device, dtype=fmt.dtype)
+    total_ms = 0.0
+    for rows in MEASURED_BATCH_SIZES:
+        inputs = [torch.randn(rows, i, device=device, dtype=fmt.dtype) for i, _ in shapes]
+        x_head = torch.randn(rows, config.dim, device=device, dtype=fmt.dtype)
+        layer_ms = _best_ms(partial(_run_layers, layers, inputs))
+        total_ms += layer_ms * config.n_layers + _best_ms(partial(F.linear, x_head, head))
+    return total_ms / len(MEASURED_BATCH_SIZES)
+
+
+def _run_layers(layers: list[Callable[[torch.Tensor], torch.Tensor]], inputs: list) -> None:
+    for layer, x in zip(layers, inputs, strict=True):
+        layer(x)
+
+
+def _best_ms(run: Callable[[], object], reps: int = 3) -> float:
+    """The best of a few timed runs after a warm-up (first calls pick kernels and fault
+    pages in); the best, because another process can only make a run slower."""
+    run()
+    times = []
+    for _ in range(reps):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return min(times) * 1e3
+
+
+def choose_weight_format(
+    candidates: list[WeightFormat],
+    timer: Callable[[WeightFormat], float],
+) -> WeightFormat:
+    """The fastest candidate by `timer` (ms); one candidate is taken without timing."""
+    if len(candidates) == 1:
+        return candidates[0]
+    timings = {fmt: timer(fmt) for fmt in candidates}
+    best = min(timings, key=timings.get)
+    logger.info(
+        "weight format: %s (linear layers per step, mean over batch %s: %s)",
+        best.describe(),
+        "/".join(str(b) for b in MEASURED_BATCH_SIZES),
+        ", ".join(f"{f.describe()} {ms:.1f} ms" for f, ms in timings.items()),
+    )
+    return best
+
+
+def resolve_weight_format(
+    config: ModelConfig,
+    device: torch.device,
+    dtype: str,
+    quantization: str,
+    checkpoint_bits: int | None,
+) -> WeightFormat:
+    candidates = candidate_formats(dtype, quantization, checkpoint_bits, device)
+    with torch.inference_mode():
+        return choose_weight_format(candidates, lambda fmt: layer_step_ms(config, fmt, device))

@@ -1,0 +1,97 @@
+"""Tests for model/weight_format.py and the formats through the whole model: the start-up
+choice with the measurement stubbed, the candidates each flag allows, and every format's
+logits against the fp32 model on the same weights (tolerances stated per format)."""
+
+import pytest
+import torch
+
+from model.batch import Batch
+from model.config import ModelConfig
+from model.llama import Llama
+from model.paged_cache import PagedKVCache
+from model.weight_format import (
+    WeightFormat,
+    candidate_formats,
+    choose_weight_format,
+    layer_step_ms,
+)
+from model.weights.safetensors import iter_safetensors, safetensors_files
+from tests.tiny_models import make_tiny_llama
+
+CPU = torch.device("cpu")
+FP32, BF16 = WeightFormat(torch.float32), WeightFormat(torch.bfloat16)
+INT8, INT4 = WeightFormat(torch.bfloat16, "int8"), WeightFormat(torch.bfloat16, "int4")
+
+
+def test_the_fastest_candidate_wins() -> None:
+    avx512_bf16 = {FP32: 26.0, BF16: 11.0, INT8: 4.8, INT4: 3.4}
+    assert choose_weight_format([FP32, BF16, INT8, INT4], avx512_bf16.__getitem__) == INT4
+    # An AVX2-only CPU: bf16 matmuls ten times slower than fp32, and so the packed kernels.
+    avx2 = {FP32: 30.0, BF16: 300.0, INT8: 200.0, INT4: 150.0}
+    assert choose_weight_format([FP32, BF16, INT8, INT4], avx2.__getitem__) == FP32
+
+
+def test_a_single_candidate_is_not_timed() -> None:
+    def timer(fmt: WeightFormat) -> float:
+        raise AssertionError("timed")
+
+    assert choose_weight_format([BF16], timer) == BF16
+
+
+def test_auto_never_quantises_below_the_checkpoint() -> None:
+    assert candidate_formats("auto", "auto", None, CPU) == [FP32, BF16]  # float weights
+    assert candidate_formats("auto", "auto", 8, CPU) == [FP32, BF16, INT8]  # Q8_0
+    assert candidate_formats("auto", "auto", 4, CPU) == [FP32, BF16, INT8, INT4]  # Q4_1
+    assert candidate_formats("float32", "auto", 4, CPU) == [FP32]
+    assert candidate_formats("auto", "int4", None, CPU) == [INT4]  # asked for: lossy is fine
+    assert candidate_formats("float32", "none", 4, CPU) == [FP32]
+    assert candidate_formats("auto", "auto", 4, torch.device("cuda")) == [BF16]
+    with pytest.raises(ValueError, match="CPU only"):
+        candidate_formats("auto", "int4", 4, torch.device("cuda"))
+
+
+def test_layer_timing_runs_every_format_on_a_small_shape() -> None:
+    config = ModelConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=160, vocab_size=512
+    )
+    for fmt in (FP32, BF16, INT8, INT4):
+        assert layer_step_ms(config, fmt, CPU) > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-gqa")
+    make_tiny_llama(path, "gqa", tie=True)
+    return path
+
+
+# (dtype, quantization) -> largest |logprob - fp32 logprob| allowed on the tiny model, whose
+# Gaussian weights are the worst case for 4 bits (a real Q4 GGUF requantises exactly).
+FORMATS = {
+    (torch.bfloat16, None): 0.05,
+    (torch.bfloat16, "int8"): 0.1,
+    (torch.bfloat16, "int4"): 1.0,
+    (torch.float32, "int4"): 1.0,
+}
+
+
+def load_tiny(path, dtype: torch.dtype, quantization: str | None) -> Llama:
+    model = Llama.empty(ModelConfig.from_hf_dir(path), dtype=dtype, quantization=quantization)
+    # Quantised layers take the checkpoint's fp32 values, as the loader hands them over.
+    source = torch.float32 if quantization else dtype
+    model.load_weights(iter_safetensors(safetensors_files(path), source))
+    return model.eval()
+
+
+@pytest.mark.parametrize(("dtype", "quantization"), list(FORMATS))
+def test_every_format_tracks_its_fp32_twin(tiny_dir, dtype, quantization) -> None:
+    ids = list(range(3, 60, 2))
+
+    def logprobs(model: Llama) -> torch.Tensor:
+        cache = PagedKVCache.allocate(model.config, 4, 16, model.embed_tokens.weight.dtype)
+        batch = Batch.build([ids], [0], [[0, 1]], 16, all_logits=True)
+        return torch.log_softmax(model(batch, cache).float(), dim=-1)
+
+    reference = logprobs(load_tiny(tiny_dir, torch.float32, None))
+    ours = logprobs(load_tiny(tiny_dir, dtype, quantization))
+    assert (ours - reference).abs().max().item() < FORMATS[(dtype, quantization)]
