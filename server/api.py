@@ -97,10 +97,16 @@ def build_app(
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
-            ids = render_chat(req.messages, state, req.add_generation_prompt)
+            # The function chat completions use, so these are the ids the engine would get.
+            ids = render_chat(
+                req.messages, state, req.add_generation_prompt, req.chat_template_kwargs
+            )
         else:
+            # The same ids /v1/completions gives this prompt: special-token text is special.
             ids = state.tokenizer.encode(
-                req.prompt or "", add_bos=None if req.add_special_tokens else False
+                req.prompt or "",
+                allow_special=True,
+                add_bos=None if req.add_special_tokens else False,
             )
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 

@@ -33,6 +33,13 @@ def render_chat(
     if state.chat_template is None:
         raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
     dicts = [{"role": m.role, "content": m.text()} for m in messages]
+    # Names `prompt_ids` takes itself: passed again as template variables they would be a
+    # TypeError (a 500) rather than the client's mistake.
+    taken = sorted({"self", "messages", "tokenizer", "add_generation_prompt"} & set(kwargs or {}))
+    if taken:
+        raise APIError(
+            400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs"
+        )
     try:
         # A format without a Jinja template (Llama 3's) builds the ids itself; either way
         # the template writes every special token it wants, BOS included.

@@ -34,7 +34,10 @@ def prompt_ids(req: CompletionRequest, state: ServerState) -> list[list[int]]:
         raise APIError(400, "prompt must not be empty", "prompt")
     result = []
     for p in prompts:
-        ids = state.tokenizer.encode(p) if isinstance(p, str) else list(p)
+        # A raw prompt is wholly the client's, who often writes the model's chat markup by
+        # hand: special-token text in it is the control token it spells, as in vLLM and
+        # llama.cpp. Chat messages are the opposite case (model/text/control_tokens.py).
+        ids = state.tokenizer.encode(p, allow_special=True) if isinstance(p, str) else list(p)
         if not ids:
             raise APIError(400, "prompt must contain at least one token", "prompt")
         check_token_ids(ids, state, "prompt")

@@ -250,6 +250,14 @@ HUGE_OR_ODD = {
             "max_tokens": 1,
         },
     ),
+    "template kwargs named like arguments": (
+        CHAT,
+        {"messages": USER_HI, "max_tokens": 1, "chat_template_kwargs": {"messages": []}},
+    ),
+    "tokenize template kwargs named like arguments": (
+        "/tokenize",
+        {"messages": USER_HI, "chat_template_kwargs": {"add_generation_prompt": False}},
+    ),
     "unknown fields": (COMPLETIONS, {"prompt": "Hi", "max_tokens": 1, "best_of": 3, "x": {}}),
 }
 

@@ -138,3 +138,23 @@ def test_template_errors_are_chat_template_errors(tok, hf_tok):
     with pytest.raises(ChatTemplateError):
         ChatTemplate("{{ messages[0]['content'] + 1 }}").render(repeated)
     assert issubclass(ChatTemplateError, ValueError) and len(repeated) == 2
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_prompt_ids_match_transformers(gguf_metadata, tok, hf_tok, add_generation_prompt):
+    """Ids, not only text: transformers tokenizes its rendered prompt with special tokens
+    parsed everywhere, which for messages that spell no special token is what we do too."""
+    template = ChatTemplate.from_gguf_metadata(gguf_metadata, tok)
+    for messages in CONVERSATIONS:
+        text = hf_tok.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+        want = hf_tok(text, add_special_tokens=False)["input_ids"]
+        ids = template.prompt_ids(messages, tok, add_generation_prompt)
+        if "<|im_end|>" not in str(messages):
+            assert ids == want
+        else:
+            # There transformers turns the user's "<|im_end|>" into a control token; we do not.
+            assert tok.decode(ids) == tok.decode(want) == text
+            im_end = tok.special_tokens["<|im_end|>"]
+            assert ids.count(im_end) == want.count(im_end) - 1

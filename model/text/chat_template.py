@@ -3,8 +3,9 @@
 Owns: finding the template (GGUF metadata, `chat_template.jinja`, `tokenizer_config.json`) and
 rendering it the way `transformers.apply_chat_template` does, so prompts match byte for byte.
 Must never run a template outside the immutable sandbox: templates ship with checkpoints and are
-untrusted code. Every template failure surfaces as `ChatTemplateError` (a bad request when the
-messages caused it, e.g. a template's `raise_exception("roles must alternate")`).
+untrusted code. Must never let text from the messages become a control token (`prompt_ids`).
+Every template failure surfaces as `ChatTemplateError` (a bad request when the messages caused
+it, e.g. a template's `raise_exception("roles must alternate")`).
 """
 
 import json
@@ -18,6 +19,7 @@ from jinja2 import nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from model.text.control_tokens import chat_prompt_ids
 from model.text.tokenizer import Tokenizer
 
 
@@ -105,9 +107,14 @@ class ChatTemplate:
     ) -> list[int]:
         """The rendered prompt as token ids. Templates write BOS themselves where the model wants
         it, so the tokenizer adds none (a second BOS is what `encode`'s default would give a
-        Llama 3 prompt); as in transformers, special-token text in the template is special."""
-        text = self.render(messages, add_generation_prompt, **kwargs)
-        return tokenizer.encode(text, allow_special=True, add_bos=False)
+        Llama 3 prompt). Special-token text the template writes is a control token; the same
+        text inside the messages or `kwargs` is the client's and stays plain text, unlike
+        transformers, where a user could forge a turn (control_tokens.py)."""
+
+        def render(messages: list[dict[str, Any]], variables: dict[str, Any]) -> str:
+            return self.render(messages, add_generation_prompt, **variables)
+
+        return chat_prompt_ids(render, messages, kwargs, tokenizer, self.source)
 
     @classmethod
     def for_tokenizer(cls, template: str, tokenizer: Tokenizer) -> "ChatTemplate":
