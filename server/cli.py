@@ -1,8 +1,9 @@
 """`llamaserve` command line: `serve` (the OpenAI-compatible HTTP server) and `generate`
 (a greedy demo straight on the model).
 
-Flags are named as vLLM names them where the concept is the same. Errors a user can
-cause (a bad model path, an unsupported file) print one sentence and exit 2.
+Flags are named as vLLM names them where the concept is the same, and as uvicorn names
+them for what a connection may cost. Errors a user can cause (a bad model path, an
+unsupported file) print one sentence and exit 2.
 
 Nothing below it reads flags: they become `ServeConfig` and `EngineConfig` here.
 """
@@ -166,42 +167,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=10.0,
         help="seconds in-flight requests get to finish on SIGTERM (default 10)",
     )
-    return parser
-
-
-def generate(args: argparse.Namespace) -> int:
-    from model.greedy import greedy_tokens
-    from model.text.detokenizer import IncrementalDetokenizer
-    from server.launch import ServeConfig, load
-
-    loaded = load(
-        ServeConfig(
-            model=args.model,
-            device=args.device,
-            dtype=DTYPES[args.dtype],
-            random_weights=args.random_weights,
-            model_config=args.model_config,
-            tokenizer=args.tokenizer,
-        )
+    serve.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        help="seconds an idle keep-alive connection stays open (default 5)",
     )
-    tok = loaded.tokenizer
-    if args.chat:
-        if loaded.chat_template is None:
-            print(f"llamaserve: {loaded.path} has no chat template", file=sys.stderr)
-            return 2
-        messages = [{"role": "user", "content": args.prompt}]
-        ids = loaded.chat_template.prompt_ids(messages, tok)
-    else:
-        # A raw prompt is the user's own: hand-written chat markup becomes control tokens.
-        ids = tok.encode(args.prompt, allow_special=True)
-    detok = IncrementalDetokenizer(tok)
-    for token in greedy_tokens(loaded.model, ids, args.max_tokens, tok.stop_ids):
-        if token in tok.stop_ids:
-            break
-        sys.stdout.write(detok.add(token))
-        sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
-    return 0
+    serve.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection gets to send a whole request head before it is closed "
+        "(default 10; bounds slow-header clients, which uvicorn alone never closes)",
+    )
+    serve.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=2048,
+        help="open connections or requests in flight beyond which new requests get 503 "
+        "(default 2048; keep it above --max-waiting plus --max-num-seqs)",
+    )
+    serve.add_argument(
+        "--backlog",
+        type=int,
+        default=2048,
+        help="connections the kernel queues before they are accepted (default 2048)",
+    )
+    return parser
 
 
 class UsageError(ValueError):
@@ -227,6 +219,10 @@ def serve(args: argparse.Namespace) -> int:
         api_keys += read_api_keys(args.api_key_file)
     if args.metrics_require_api_key and not api_keys:
         raise UsageError("--metrics-require-api-key needs --api-key or --api-key-file")
+    if args.header_timeout <= 0:
+        raise UsageError(f"--header-timeout must be positive, got {args.header_timeout}")
+    if args.limit_concurrency < 1:
+        raise UsageError(f"--limit-concurrency must be at least 1, got {args.limit_concurrency}")
     config = ServeConfig(
         model=args.model_path or args.model,
         host=args.host,
@@ -249,6 +245,10 @@ def serve(args: argparse.Namespace) -> int:
         allowed_origins=args.allowed_origins,
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_grace,
+        timeout_keep_alive_s=args.timeout_keep_alive,
+        header_timeout_s=args.header_timeout,
+        limit_concurrency=args.limit_concurrency,
+        backlog=args.backlog,
         random_weights=args.random_weights,
         model_config=args.model_config,
         tokenizer=args.tokenizer,
@@ -272,7 +272,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "generate":
-            return generate(args)
+            from server.generate import generate
+
+            return generate(args, DTYPES[args.dtype])
         if args.command == "serve":
             return serve(args)
     except (ModelFileError, UnsupportedModelError, UsageError) as exc:

@@ -23,6 +23,7 @@ from scheduler.async_engine import AsyncEngine
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from server.api import build_app
+from server.connections import bounded_http_protocol
 from server.metrics import ServerMetrics
 from server.state import ServerState
 
@@ -43,6 +44,14 @@ class ServeConfig:
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 8 * 2**20
     shutdown_grace_s: float = 10.0
+    # What one connection may cost (server/connections.py): an idle keep-alive connection
+    # is closed after timeout_keep_alive_s, one that has not sent a whole request head
+    # after header_timeout_s; beyond limit_concurrency open connections or requests in
+    # flight new requests get 503; backlog is the kernel's queue of unaccepted ones.
+    timeout_keep_alive_s: int = 5
+    header_timeout_s: float = 10.0
+    limit_concurrency: int | None = 2048
+    backlog: int = 2048
     random_weights: bool = False  # with model_config: a preset's shapes, random weights
     model_config: str | None = None
     tokenizer: str | None = None
@@ -132,5 +141,9 @@ def uvicorn_server(app: FastAPI, config: ServeConfig) -> uvicorn.Server:
             log_config=None,  # our logging setup; uvicorn's access log is replaced by ours
             access_log=False,
             timeout_graceful_shutdown=int(config.shutdown_grace_s),
+            http=bounded_http_protocol(config.header_timeout_s),
+            timeout_keep_alive=config.timeout_keep_alive_s,
+            limit_concurrency=config.limit_concurrency,
+            backlog=config.backlog,
         )
     )
