@@ -195,7 +195,7 @@ def _meta_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
 def load_random_model(
     preset: str,
     device: str = "cpu",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     seed: int = 0,
     tokenizer_path: str | Path | None = None,
     max_position: int | None = None,
@@ -216,12 +216,15 @@ def load_random_model(
             f"{path}: {tokenizer.vocab_size} tokens do not fit {preset}'s vocabulary of "
             f"{config.vocab_size}"
         )
-    model = Llama.random(config, max_position, device, dtype, seed, quantization=quantization)
+    fmt = _weight_format(dtype, quantization, config, device, checkpoint_bits=None)
+    model = Llama.random(
+        config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization
+    )
     logger.info(
         "built %s with random weights: %.1fM parameters, %s on %s in %.1f s (tokenizer: %s)",
         preset,
         config.num_parameters() / 1e6,
-        str(dtype).removeprefix("torch."),
+        fmt.describe(),
         device,
         time.perf_counter() - started,
         path or "byte-level stand-in",

@@ -12,49 +12,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from scheduler.config import EngineConfig
-from server.memory_size import parse_memory_size
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _add_model_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--model",
-        default=None,
-        help="GGUF file or HF safetensors directory (default: the bundled SmolLM2-135M-Instruct)",
-    )
-    p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
-    p.add_argument(
-        "--dtype", default="float32", choices=list(DTYPES), help="compute dtype (default float32)"
-    )
-    p.add_argument(
-        "--random-weights",
-        action="store_true",
-        help="random weights in the shapes of --model-config (exercise scale without a checkpoint)",
-    )
-    p.add_argument(
-        "--model-config",
-        default=None,
-        help="preset shapes for --random-weights: llama3-1b, llama3-3b, llama3-8b, llama3-70b",
-    )
-    p.add_argument(
-        "--tokenizer", default=None, help="tokenizer.model for --random-weights (Llama 3 format)"
-    )
-    p.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="CPU threads for torch (default: torch's choice). On a shared machine use the "
-        "number of idle cores: threads waiting on a busy core make every step many times slower",
-    )
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+from server.flags import add_model_flags, add_serve_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument(
         "--chat", action="store_true", help="wrap the prompt as a user turn in the chat template"
     )
-    _add_model_flags(gen)
+    add_model_flags(gen)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument(
@@ -76,123 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="MODEL",
         help="GGUF file or HF directory (default: the bundled model)",
     )
-    _add_model_flags(serve)
-    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    serve.add_argument(
-        "--served-model-name",
-        nargs="+",
-        default=[],
-        help="model name(s) clients use; the first is reported (default: the model's)",
-    )
-    serve.add_argument(
-        "--api-key",
-        nargs="+",
-        default=[os.environ["LLAMASERVE_API_KEY"]] if os.environ.get("LLAMASERVE_API_KEY") else [],
-        metavar="KEY",
-        help="require 'Authorization: Bearer KEY' with one of these keys on every API route, "
-        "/tokenize and /detokenize included (default $LLAMASERVE_API_KEY); /health stays open",
-    )
-    serve.add_argument(
-        "--api-key-file",
-        default=None,
-        metavar="PATH",
-        help="more keys, one per line ('#' comments), kept out of the process list",
-    )
-    serve.add_argument(
-        "--metrics-require-api-key",
-        action="store_true",
-        help="guard /metrics with the API key too (default: open, for Prometheus)",
-    )
-    serve.add_argument(
-        "--max-model-len",
-        type=int,
-        default=None,
-        help="context length: prompt plus output tokens (default: the model's)",
-    )
-    serve.add_argument(
-        "--max-num-seqs",
-        type=int,
-        default=EngineConfig.max_num_seqs,
-        help=f"most sequences in one step (default {EngineConfig.max_num_seqs})",
-    )
-    serve.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=EngineConfig.max_num_batched_tokens,
-        help="most tokens in one step; longer prompts are prefilled in chunks "
-        f"(default {EngineConfig.max_num_batched_tokens})",
-    )
-    serve.add_argument(
-        "--block-size",
-        type=int,
-        default=EngineConfig.block_size,
-        help=f"tokens per KV block (default {EngineConfig.block_size})",
-    )
-    serve.add_argument(
-        "--kv-cache-memory",
-        type=parse_memory_size,
-        default=None,
-        help="KV-cache budget, e.g. 512MiB or 4GiB (default: 2GiB on CPU, "
-        "--gpu-memory-utilization on CUDA)",
-    )
-    serve.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=EngineConfig.gpu_memory_utilization,
-        help="share of GPU memory for weights and KV cache "
-        f"(default {EngineConfig.gpu_memory_utilization})",
-    )
-    serve.add_argument(
-        "--max-waiting",
-        type=int,
-        default=EngineConfig.max_waiting,
-        help=f"queued requests beyond which new ones get 503 (default {EngineConfig.max_waiting})",
-    )
-    serve.add_argument(
-        "--no-prefix-caching", action="store_true", help="turn automatic prefix caching off"
-    )
-    serve.add_argument(
-        "--allowed-origins", nargs="*", default=[], help="CORS origins to allow (default: CORS off)"
-    )
-    serve.add_argument(
-        "--max-request-bytes",
-        type=parse_memory_size,
-        default=8 * 2**20,
-        help="largest accepted request body (default 8MiB)",
-    )
-    serve.add_argument(
-        "--shutdown-grace",
-        type=float,
-        default=10.0,
-        help="seconds in-flight requests get to finish on SIGTERM (default 10)",
-    )
-    serve.add_argument(
-        "--timeout-keep-alive",
-        type=int,
-        default=5,
-        help="seconds an idle keep-alive connection stays open (default 5)",
-    )
-    serve.add_argument(
-        "--header-timeout",
-        type=float,
-        default=10.0,
-        help="seconds a connection gets to send a whole request head before it is closed "
-        "(default 10; bounds slow-header clients, which uvicorn alone never closes)",
-    )
-    serve.add_argument(
-        "--limit-concurrency",
-        type=int,
-        default=2048,
-        help="open connections or requests in flight beyond which new requests get 503 "
-        "(default 2048; keep it above --max-waiting plus --max-num-seqs)",
-    )
-    serve.add_argument(
-        "--backlog",
-        type=int,
-        default=2048,
-        help="connections the kernel queues before they are accepted (default 2048)",
-    )
+    add_model_flags(serve)
+    add_serve_flags(serve)
     return parser
 
 
@@ -231,7 +80,8 @@ def serve(args: argparse.Namespace) -> int:
         api_keys=api_keys,
         metrics_require_api_key=args.metrics_require_api_key,
         device=args.device,
-        dtype=DTYPES[args.dtype],
+        dtype=args.dtype,
+        quantization=args.quantization,
         engine=EngineConfig(
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
@@ -274,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "generate":
             from server.generate import generate
 
-            return generate(args, DTYPES[args.dtype])
+            return generate(args)
         if args.command == "serve":
             return serve(args)
     except (ModelFileError, UnsupportedModelError, UsageError) as exc:

@@ -10,19 +10,18 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
-
 from model.greedy import greedy_tokens
 from model.text.detokenizer import IncrementalDetokenizer
 from server.launch import ServeConfig, load
 
 
-def generate(args: argparse.Namespace, dtype: torch.dtype) -> int:
+def generate(args: argparse.Namespace) -> int:
     loaded = load(
         ServeConfig(
             model=args.model,
             device=args.device,
-            dtype=dtype,
+            dtype=args.dtype,
+            quantization=args.quantization,
             random_weights=args.random_weights,
             model_config=args.model_config,
             tokenizer=args.tokenizer,

@@ -39,7 +39,10 @@ class ServeConfig:
     api_keys: list[str] = field(default_factory=list)
     metrics_require_api_key: bool = False
     device: str = "cpu"
-    dtype: torch.dtype = torch.float32
+    # A dtype, or a name ("auto" times this machine); the CLI defaults to "auto", code that
+    # builds a config to the exact float32 the transformers comparisons hold to.
+    dtype: torch.dtype | str = torch.float32
+    quantization: str | None = None  # "int8", "int4", "auto"; None: weights in dtype
     engine: EngineConfig = field(default_factory=EngineConfig)
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 8 * 2**20
@@ -67,12 +70,14 @@ def load(config: ServeConfig) -> LoadedModel:
             dtype=config.dtype,
             tokenizer_path=config.tokenizer,
             max_position=config.engine.max_model_len,
+            quantization=config.quantization,
         )
     return load_model(
         config.model,
         device=config.device,
         dtype=config.dtype,
         max_position=config.engine.max_model_len,
+        quantization=config.quantization,
     )
 
 

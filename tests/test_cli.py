@@ -100,9 +100,21 @@ def test_generate_prints_greedy_text(ours_default):
     prompt = "The capital of France is"
     ids = ours_default.tokenizer.encode(prompt)
     expected = ours_default.tokenizer.decode(list(greedy_tokens(ours_default.model, ids, 12)))
-    result = run_cli("generate", prompt, "--max-tokens", "12", "--threads", "1")
+    exact = ["--dtype", "float32", "--quantization", "none"]
+    result = run_cli("generate", prompt, "--max-tokens", "12", "--threads", "1", *exact)
     assert result.returncode == 0, result.stderr
     assert result.stdout.rstrip("\n") == expected
+
+
+def test_generate_picks_a_weight_format_and_says_which():
+    result = run_cli("generate", "The capital of France is", "--max-tokens", "4")
+    assert result.returncode == 0, result.stderr
+    (choice,) = [line for line in result.stderr.splitlines() if "weight format:" in line]
+    # Every candidate the Q4_1 default model allows was timed, and one was taken.
+    for fmt in ("float32", "bfloat16", "bfloat16 + int8", "bfloat16 + int4"):
+        assert f"{fmt} " in choice.split("(", 1)[1], choice
+    loaded = [line for line in result.stderr.splitlines() if "loaded SmolLM2" in line]
+    assert choice.split("weight format: ")[1].split(" (")[0] in loaded[0]
 
 
 def test_api_key_file_problems_are_one_sentence(tmp_path):

@@ -1,0 +1,182 @@
+"""The flags of `llamaserve`: what to load and how to run it (`serve` and `generate`), and
+how to serve it. Named as vLLM names them where the concept is the same, and as uvicorn
+names them for what a connection may cost; defaults come from `EngineConfig`.
+
+Flags only: turning them into configuration is cli.py's, and nothing else reads them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from model.quantized_linear import QUANTIZATIONS
+from model.weight_format import DTYPES
+from scheduler.config import EngineConfig
+from server.memory_size import parse_memory_size
+
+
+def add_model_flags(p: argparse.ArgumentParser) -> None:
+    """What to load and how to run it: shared by `serve` and `generate`."""
+    p.add_argument(
+        "--model",
+        default=None,
+        help="GGUF file or HF safetensors directory (default: the bundled SmolLM2-135M-Instruct)",
+    )
+    p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", *DTYPES],
+        help="compute dtype; auto (default) times this CPU's options at start-up and takes the "
+        "fastest (float32 is exact against transformers)",
+    )
+    p.add_argument(
+        "--quantization",
+        default="auto",
+        choices=["auto", "none", *QUANTIZATIONS],
+        help="weight-only quantisation of the linear layers on the CPU (int8: a scale per row; "
+        "int4: groups of 32, exact for Q4 GGUF weights); auto (default) takes the fastest that "
+        "loses nothing the checkpoint holds",
+    )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="random weights in the shapes of --model-config (exercise scale without a checkpoint)",
+    )
+    p.add_argument(
+        "--model-config",
+        default=None,
+        help="preset shapes for --random-weights: llama3-1b, llama3-3b, llama3-8b, llama3-70b",
+    )
+    p.add_argument(
+        "--tokenizer", default=None, help="tokenizer.model for --random-weights (Llama 3 format)"
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for torch (default: torch's choice). On a shared machine use the "
+        "number of idle cores: threads waiting on a busy core make every step many times slower",
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def add_serve_flags(p: argparse.ArgumentParser) -> None:
+    """Where and how to serve: the HTTP side, the engine's limits, the connections."""
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--served-model-name",
+        nargs="+",
+        default=[],
+        help="model name(s) clients use; the first is reported (default: the model's)",
+    )
+    p.add_argument(
+        "--api-key",
+        nargs="+",
+        default=[os.environ["LLAMASERVE_API_KEY"]] if os.environ.get("LLAMASERVE_API_KEY") else [],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' with one of these keys on every API route, "
+        "/tokenize and /detokenize included (default $LLAMASERVE_API_KEY); /health stays open",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="PATH",
+        help="more keys, one per line ('#' comments), kept out of the process list",
+    )
+    p.add_argument(
+        "--metrics-require-api-key",
+        action="store_true",
+        help="guard /metrics with the API key too (default: open, for Prometheus)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="context length: prompt plus output tokens (default: the model's)",
+    )
+    p.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=EngineConfig.max_num_seqs,
+        help=f"most sequences in one step (default {EngineConfig.max_num_seqs})",
+    )
+    p.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=EngineConfig.max_num_batched_tokens,
+        help="most tokens in one step; longer prompts are prefilled in chunks "
+        f"(default {EngineConfig.max_num_batched_tokens})",
+    )
+    p.add_argument(
+        "--block-size",
+        type=int,
+        default=EngineConfig.block_size,
+        help=f"tokens per KV block (default {EngineConfig.block_size})",
+    )
+    p.add_argument(
+        "--kv-cache-memory",
+        type=parse_memory_size,
+        default=None,
+        help="KV-cache budget, e.g. 512MiB or 4GiB (default: 2GiB on CPU, "
+        "--gpu-memory-utilization on CUDA)",
+    )
+    p.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=EngineConfig.gpu_memory_utilization,
+        help="share of GPU memory for weights and KV cache "
+        f"(default {EngineConfig.gpu_memory_utilization})",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=EngineConfig.max_waiting,
+        help=f"queued requests beyond which new ones get 503 (default {EngineConfig.max_waiting})",
+    )
+    p.add_argument(
+        "--no-prefix-caching", action="store_true", help="turn automatic prefix caching off"
+    )
+    p.add_argument(
+        "--allowed-origins", nargs="*", default=[], help="CORS origins to allow (default: CORS off)"
+    )
+    p.add_argument(
+        "--max-request-bytes",
+        type=parse_memory_size,
+        default=8 * 2**20,
+        help="largest accepted request body (default 8MiB)",
+    )
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=10.0,
+        help="seconds in-flight requests get to finish on SIGTERM (default 10)",
+    )
+    p.add_argument(
+        "--timeout-keep-alive",
+        type=int,
+        default=5,
+        help="seconds an idle keep-alive connection stays open (default 5)",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a connection gets to send a whole request head before it is closed "
+        "(default 10; bounds slow-header clients, which uvicorn alone never closes)",
+    )
+    p.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=2048,
+        help="open connections or requests in flight beyond which new requests get 503 "
+        "(default 2048; keep it above --max-waiting plus --max-num-seqs)",
+    )
+    p.add_argument(
+        "--backlog",
+        type=int,
+        default=2048,
+        help="connections the kernel queues before they are accepted (default 2048)",
+    )
