@@ -11,7 +11,11 @@ from dataclasses import dataclass
 class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    # Tokens one step may feed. None: on a CPU, as many as the prefill speed measured at
+    # start-up computes in max_step_ms, so a long prompt never stalls running streams for
+    # seconds; on a GPU, 2048.
+    max_num_batched_tokens: int | None = None
+    max_step_ms: float = 200.0
     max_waiting: int = 1024
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a default for the device

@@ -1,8 +1,11 @@
 """`create_engine`: wires one engine for a loaded model. The runner sizes and allocates the
-KV cache first (device memory is its question); the allocator and the scheduler are then
-built to match the number of blocks and the context length it settled on."""
+KV cache first (device memory is its question) and, on a CPU, times a prefill chunk; the
+allocator and the scheduler are then built to match the number of blocks, the context
+length and the step token budget that follow."""
 
 from __future__ import annotations
+
+import logging
 
 from model.llama import Llama
 from model.text.tokenizer import Tokenizer
@@ -11,6 +14,12 @@ from scheduler.engine import Engine
 from scheduler.kv_cache import KVCacheManager
 from scheduler.runner.model_runner import ModelRunner
 from scheduler.scheduler import Scheduler, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+
+
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+MAX_MEASURED_BUDGET = 8192
 
 
 def create_engine(model: Llama, tokenizer: Tokenizer, config: EngineConfig | None = None) -> Engine:
@@ -21,9 +30,32 @@ def create_engine(model: Llama, tokenizer: Tokenizer, config: EngineConfig | Non
         SchedulerConfig(
             max_model_len=runner.max_model_len,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_batched_tokens=step_token_budget(config, runner),
             max_waiting=config.max_waiting,
         ),
         kv,
     )
     return Engine(runner, scheduler, tokenizer)
+
+
+def step_token_budget(config: EngineConfig, runner: ModelRunner) -> int:
+    if config.max_num_batched_tokens is not None:
+        return config.max_num_batched_tokens
+    if runner.device.type != "cpu":
+        return GPU_MAX_NUM_BATCHED_TOKENS
+    ms_per_token = runner.prefill_ms_per_token()
+    budget = token_budget_for(config.max_step_ms, ms_per_token, config.max_num_seqs)
+    logger.info(
+        "step token budget %d: prefill measured at %.2f ms per token, --max-step-ms %.0f",
+        budget,
+        ms_per_token,
+        config.max_step_ms,
+    )
+    return budget
+
+
+def token_budget_for(max_step_ms: float, ms_per_token: float, max_num_seqs: int) -> int:
+    """Tokens a step may feed to stay near max_step_ms; never fewer than max_num_seqs, or
+    a full batch of decodes could not all run in one step."""
+    fitting = int(max_step_ms / max(ms_per_token, 1e-6))
+    return max(max_num_seqs, min(fitting, MAX_MEASURED_BUDGET))

@@ -86,6 +86,7 @@ def serve(args: argparse.Namespace) -> int:
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            max_step_ms=args.max_step_ms,
             max_waiting=args.max_waiting,
             block_size=args.block_size,
             kv_cache_memory=args.kv_cache_memory,

@@ -106,9 +106,16 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--max-num-batched-tokens",
         type=int,
-        default=EngineConfig.max_num_batched_tokens,
-        help="most tokens in one step; longer prompts are prefilled in chunks "
-        f"(default {EngineConfig.max_num_batched_tokens})",
+        default=None,
+        help="most tokens in one step; longer prompts are prefilled in chunks (default: on a "
+        "CPU what the prefill speed measured at start-up computes in --max-step-ms; 2048 on a GPU)",
+    )
+    p.add_argument(
+        "--max-step-ms",
+        type=float,
+        default=EngineConfig.max_step_ms,
+        help="target step time that sizes the default token budget on a CPU, so a long prompt "
+        f"never stalls running streams for seconds (default {EngineConfig.max_step_ms:.0f})",
     )
     p.add_argument(
         "--block-size",

@@ -89,7 +89,9 @@ def build_server(
     engine = create_engine(loaded.model, loaded.tokenizer, config.engine)
     names = config.served_model_name or [loaded.name]
     metrics = ServerMetrics(
-        names[0], engine.scheduler.config.max_model_len, config.engine.max_num_batched_tokens
+        names[0],
+        engine.scheduler.config.max_model_len,
+        engine.scheduler.config.max_num_batched_tokens,
     )
     async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
     state = ServerState(

@@ -52,7 +52,10 @@ class LiveServer:
 
 
 def engine_config(**overrides: object) -> EngineConfig:
-    fields = dict(max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES)
+    # A fixed step budget: the API tests should not depend on how fast this machine is.
+    fields = dict(
+        max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES, max_num_batched_tokens=2048
+    )
     fields.update(overrides)
     return EngineConfig(**fields)
 

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from model.batch import Batch
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
 from model.sampler import Sampler, SamplerOutput, token_logprobs
@@ -53,6 +54,20 @@ class ModelRunner:
     @property
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
+
+    def prefill_ms_per_token(self, num_tokens: int = 256) -> float:
+        """Times one prefill chunk of `num_tokens` (after a smaller warm-up) in the first
+        blocks of the cache, which no request holds yet at start-up."""
+        num_blocks = min(-(-num_tokens // self.block_size), self.num_blocks)
+        num_tokens = min(num_tokens, num_blocks * self.block_size)
+        table = list(range(num_blocks))
+        tokens = [i % self.vocab_size for i in range(num_tokens)]
+        warm_up = Batch.build([tokens[:32]], [0], [table[:2]], self.block_size, self.device)
+        self.model(warm_up, self.kv_cache)
+        batch = Batch.build([tokens], [0], [table], self.block_size, self.device)
+        started = time.perf_counter()
+        self.model(batch, self.kv_cache)
+        return (time.perf_counter() - started) * 1e3 / num_tokens
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in plan.finished_ids:

@@ -1,0 +1,42 @@
+"""Tests for scheduler/engine_factory.py: the step token budget comes from the prefill
+speed measured on this machine (here stubbed), unless the flag fixes it."""
+
+import pytest
+
+from scheduler.config import EngineConfig
+from scheduler.engine_factory import create_engine, token_budget_for
+from scheduler.runner.model_runner import ModelRunner
+
+
+def test_budget_fits_the_target_step_time() -> None:
+    assert token_budget_for(max_step_ms=200, ms_per_token=0.5, max_num_seqs=64) == 400
+    # Never fewer than a full batch of decodes, never more than the measured cap.
+    assert token_budget_for(max_step_ms=200, ms_per_token=10.0, max_num_seqs=64) == 64
+    assert token_budget_for(max_step_ms=200, ms_per_token=0.001, max_num_seqs=64) == 8192
+
+
+@pytest.fixture
+def default_parts(ours_default):
+    return ours_default.model, ours_default.tokenizer
+
+
+def test_the_measured_budget_reaches_the_scheduler(default_parts, monkeypatch) -> None:
+    monkeypatch.setattr(ModelRunner, "prefill_ms_per_token", lambda self: 0.25)
+    config = EngineConfig(kv_cache_memory=64 * 737280, max_step_ms=100)
+    engine = create_engine(*default_parts, config)
+    assert engine.scheduler.config.max_num_batched_tokens == 400
+
+
+def test_a_fixed_budget_is_not_measured(default_parts, monkeypatch) -> None:
+    def measure(self):
+        raise AssertionError("measured")
+
+    monkeypatch.setattr(ModelRunner, "prefill_ms_per_token", measure)
+    config = EngineConfig(kv_cache_memory=64 * 737280, max_num_batched_tokens=123)
+    assert create_engine(*default_parts, config).scheduler.config.max_num_batched_tokens == 123
+
+
+def test_the_real_measurement_gives_a_positive_speed(ours_default) -> None:
+    runner = ModelRunner(ours_default.model, EngineConfig(kv_cache_memory=64 * 737280))
+    assert runner.prefill_ms_per_token(num_tokens=64) > 0
+    assert runner.kv_cache.k.abs().sum() > 0  # it ran the model into the cache
