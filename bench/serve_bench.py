@@ -97,7 +97,7 @@ def race(
             command = llamaserve_command(args.model, port, args.threads, extra)
         else:
             binary = llama_server_binary(build=True)
-            command = llama_server_command(binary, args.model, port, args.threads, scenario.clients)
+            command = llama_server_command(binary, args.model, port, args.threads)
         with running(name, command, port) as server:
             stats = asyncio.run(
                 run_closed_loop(server.base_url, prompts, scenario.clients, scenario.max_tokens)

@@ -18,3 +18,7 @@ class UnsupportedModelError(ValueError):
 
 class TokenizerError(ValueError):
     """A tokenizer that cannot be built faithfully; the message says which field and why."""
+
+
+class UnsupportedFormatError(ValueError):
+    """A weight format (dtype, quantisation) this device or this flag combination cannot run."""

@@ -66,6 +66,7 @@ def load_model(
     max_position: int | None = None,
     progress: bool = True,
     quantization: str | None = None,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """quantization: None keeps every weight in `dtype`; "int8" or "int4" quantises the
     decoder's linear layers as they load (model/quantized_linear.py). dtype "auto" or
@@ -121,7 +122,7 @@ def load_model(
         # Llama 3 checkpoints without a Jinja template still chat the way Meta formats it.
         template = llama3_chat_format(tokenizer)
 
-    fmt = _weight_format(dtype, quantization, config, device, checkpoint_bits)
+    fmt = _weight_format(dtype, quantization, config, device, checkpoint_bits, batch_invariant)
     # Quantised layers are filled from the checkpoint's own values, not a rounded copy.
     weights = read_weights(torch.float32 if fmt.quantization else fmt.dtype)
     model = Llama.empty(config, max_position, device, fmt.dtype, fmt.quantization)
@@ -156,12 +157,18 @@ def _weight_format(
     config: ModelConfig,
     device: str,
     checkpoint_bits: int | None,
+    batch_invariant: bool = False,
 ) -> WeightFormat:
-    if isinstance(dtype, torch.dtype) and quantization != "auto":
+    if isinstance(dtype, torch.dtype) and quantization != "auto" and not batch_invariant:
         return WeightFormat(dtype, quantization)
     dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     return resolve_weight_format(
-        config, torch.device(device), dtype_name, quantization or "none", checkpoint_bits
+        config,
+        torch.device(device),
+        dtype_name,
+        quantization or "none",
+        checkpoint_bits,
+        batch_invariant,
     )
 
 
@@ -200,6 +207,7 @@ def load_random_model(
     tokenizer_path: str | Path | None = None,
     max_position: int | None = None,
     quantization: str | None = None,
+    batch_invariant: bool = False,
 ) -> LoadedModel:
     """A model of a named published shape (`model.presets`) with random weights, to exercise
     memory, KV-cache capacity and speed at that scale without its checkpoint.
@@ -216,7 +224,7 @@ def load_random_model(
             f"{path}: {tokenizer.vocab_size} tokens do not fit {preset}'s vocabulary of "
             f"{config.vocab_size}"
         )
-    fmt = _weight_format(dtype, quantization, config, device, checkpoint_bits=None)
+    fmt = _weight_format(dtype, quantization, config, device, None, batch_invariant)
     model = Llama.random(
         config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization
     )

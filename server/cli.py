@@ -82,6 +82,7 @@ def serve(args: argparse.Namespace) -> int:
         device=args.device,
         dtype=args.dtype,
         quantization=args.quantization,
+        batch_invariant=args.batch_invariant,
         engine=EngineConfig(
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
@@ -110,7 +111,7 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from model.errors import ModelFileError, UnsupportedModelError
+    from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
 
     args = build_parser().parse_args(argv)
     if args.threads is not None:
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
             return generate(args)
         if args.command == "serve":
             return serve(args)
-    except (ModelFileError, UnsupportedModelError, UsageError) as exc:
+    except (ModelFileError, UnsupportedModelError, UnsupportedFormatError, UsageError) as exc:
         print(f"llamaserve: {exc}", file=sys.stderr)
         return 2
     return 1

@@ -40,6 +40,12 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "loses nothing the checkpoint holds",
     )
     p.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="only weight formats whose greedy output does not depend on the batch a request "
+        "shares (float32 activations; int4/int8 weights allowed); slower on CPUs with bf16",
+    )
+    p.add_argument(
         "--random-weights",
         action="store_true",
         help="random weights in the shapes of --model-config (exercise scale without a checkpoint)",

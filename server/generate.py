@@ -22,6 +22,7 @@ def generate(args: argparse.Namespace) -> int:
             device=args.device,
             dtype=args.dtype,
             quantization=args.quantization,
+            batch_invariant=args.batch_invariant,
             random_weights=args.random_weights,
             model_config=args.model_config,
             tokenizer=args.tokenizer,

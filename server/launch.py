@@ -43,6 +43,7 @@ class ServeConfig:
     # builds a config to the exact float32 the transformers comparisons hold to.
     dtype: torch.dtype | str = torch.float32
     quantization: str | None = None  # "int8", "int4", "auto"; None: weights in dtype
+    batch_invariant: bool = False  # only formats whose greedy output is batch-independent
     engine: EngineConfig = field(default_factory=EngineConfig)
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 8 * 2**20
@@ -71,6 +72,7 @@ def load(config: ServeConfig) -> LoadedModel:
             tokenizer_path=config.tokenizer,
             max_position=config.engine.max_model_len,
             quantization=config.quantization,
+            batch_invariant=config.batch_invariant,
         )
     return load_model(
         config.model,
@@ -78,6 +80,7 @@ def load(config: ServeConfig) -> LoadedModel:
         dtype=config.dtype,
         max_position=config.engine.max_model_len,
         quantization=config.quantization,
+        batch_invariant=config.batch_invariant,
     )
 
 

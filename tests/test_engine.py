@@ -264,3 +264,21 @@ def test_prompt_logprobs_match_transformers(ours_default, hf_default, prompts, b
         assert [t for t, _ in entry.top] == want_top.indices.tolist()
     assert all(o.prompt_logprobs is None for o in results[("p", 0)].outputs[1:])
     assert results[("p", 0)].token_ids == warm[("warm", 0)].token_ids
+
+
+@pytest.mark.slow
+def test_batch_invariant_flag_gives_batch_invariant_greedy_output(prompts):
+    """The fast formats need not be batch invariant (bf16 activations flip some greedy
+    tokens between batch shapes); --batch-invariant picks one that is, quantised or not."""
+    from model.loader import load_model
+
+    loaded = load_model(dtype="auto", quantization="auto", batch_invariant=True, progress=False)
+    assert loaded.model.embed_tokens.weight.dtype == torch.float32
+    tok = loaded.tokenizer
+    alone = [list(greedy_tokens(loaded.model, ids, MAX_TOKENS, tok.stop_ids)) for ids in prompts]
+    for scenario in ("crowded", "chunked_prefill", "preemption"):
+        engine = engine_for(loaded, **SCENARIOS[scenario])
+        requests = {f"r{i}": (ids, greedy()) for i, ids in enumerate(prompts)}
+        results, _ = run_engine(engine, requests)
+        for i in range(len(prompts)):
+            assert results[(f"r{i}", 0)].token_ids == alone[i], (scenario, TEXTS[i])

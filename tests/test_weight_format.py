@@ -7,6 +7,7 @@ import torch
 
 from model.batch import Batch
 from model.config import ModelConfig
+from model.errors import UnsupportedFormatError
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
 from model.weight_format import (
@@ -31,6 +32,13 @@ def test_the_fastest_candidate_wins() -> None:
     assert choose_weight_format([FP32, BF16, INT8, INT4], avx2.__getitem__) == FP32
 
 
+def test_a_near_tie_goes_to_the_more_compact_format() -> None:
+    timings = {FP32: 138.0, BF16: 34.0, INT8: 38.0, INT4: 35.0}  # int4 within 10% of bf16
+    assert choose_weight_format([FP32, BF16, INT8, INT4], timings.__getitem__) == INT4
+    timings[INT4] = 40.0
+    assert choose_weight_format([FP32, BF16, INT8, INT4], timings.__getitem__) == BF16
+
+
 def test_a_single_candidate_is_not_timed() -> None:
     def timer(fmt: WeightFormat) -> float:
         raise AssertionError("timed")
@@ -48,6 +56,19 @@ def test_auto_never_quantises_below_the_checkpoint() -> None:
     assert candidate_formats("auto", "auto", 4, torch.device("cuda")) == [BF16]
     with pytest.raises(ValueError, match="CPU only"):
         candidate_formats("auto", "int4", 4, torch.device("cuda"))
+
+
+def test_batch_invariant_keeps_float32_activations() -> None:
+    f32_int8, f32_int4 = WeightFormat(torch.float32, "int8"), WeightFormat(torch.float32, "int4")
+    assert candidate_formats("auto", "auto", 4, CPU, batch_invariant=True) == [
+        FP32,
+        f32_int8,
+        f32_int4,
+    ]
+    assert candidate_formats("auto", "auto", None, CPU, batch_invariant=True) == [FP32]
+    assert candidate_formats("auto", "int4", None, CPU, batch_invariant=True) == [f32_int4]
+    with pytest.raises(UnsupportedFormatError, match="float32"):
+        candidate_formats("bfloat16", "auto", 4, CPU, batch_invariant=True)
 
 
 def test_layer_timing_runs_every_format_on_a_small_shape() -> None:

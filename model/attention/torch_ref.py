@@ -1,9 +1,10 @@
 """Plain-PyTorch paged attention: the CPU path and the reference every kernel is
 tested against.
 
-Sequences are split into two groups, each handled by one batched SDPA call with no
-Python loop per sequence: rows with a single new token (decodes) and rows with several
-(prefill chunks, with or without a cached prefix). Each group gathers its K/V through
+Sequences are split into two groups, each handled by one batched call with no Python
+loop per sequence: rows with a single new token (decodes: the attention formula written
+out as two matrix products) and rows with several (prefill chunks, with or without a
+cached prefix: SDPA). Each group gathers its K/V through
 the block tables into a padded [B, max_context, n_kv_heads, head_dim] tensor and masks
 what lies past a sequence's length or after a query's own position.
 
@@ -61,16 +62,40 @@ class TorchRefBackend(AttentionBackend):
             keys = k_cache[g.block_tables].view(rows, -1, n_kv, head_dim)
             values = v_cache[g.block_tables].view(rows, -1, n_kv, head_dim)
             queries = q[g.token_index]  # [B, max_q, n_heads, head_dim]
-            attn = F.scaled_dot_product_attention(
-                queries.transpose(1, 2),
-                keys.transpose(1, 2).to(q.dtype),
-                values.transpose(1, 2).to(q.dtype),
-                attn_mask=g.mask,
-                scale=scale,
-                enable_gqa=True,
-            ).transpose(1, 2)
+            if queries.shape[1] == 1:
+                attn = _decode_attention(queries, keys, values, g.mask, scale)
+            else:
+                attn = F.scaled_dot_product_attention(
+                    queries.transpose(1, 2),
+                    keys.transpose(1, 2).to(q.dtype),
+                    values.transpose(1, 2).to(q.dtype),
+                    attn_mask=g.mask,
+                    scale=scale,
+                    enable_gqa=True,
+                ).transpose(1, 2)
             out[g.token_index[g.valid]] = attn[g.valid]
         return out
+
+
+def _decode_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """softmax(q K^T) V for one query per row, written out: each KV head's group of query
+    heads is one small matrix product, in fp32 whatever the cache holds. On a CPU this is
+    about twice as fast as SDPA's flash kernel at one query (its set-up dominates), and four
+    times with a bf16 cache. queries [B, 1, n_heads, d]; keys, values [B, T, n_kv, d]."""
+    rows, _, n_heads, head_dim = queries.shape
+    n_kv = keys.shape[2]
+    grouped = queries.view(rows, n_kv, n_heads // n_kv, head_dim).float()
+    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1).float()) * scale  # [B, kv, rep, T]
+    scores.masked_fill_(~mask.view(rows, 1, 1, -1), float("-inf"))
+    weights = torch.softmax(scores, dim=-1)
+    attn = torch.matmul(weights, values.transpose(1, 2).float())  # [B, kv, rep, d]
+    return attn.reshape(rows, 1, n_heads, head_dim).to(queries.dtype)
 
 
 def _plan_group(batch: Batch, rows: list[int]) -> _Group:
