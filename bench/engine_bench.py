@@ -53,13 +53,21 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--prefix-caching", action="store_true")
+    p.add_argument("--dtype", default="auto", help="as `llamaserve serve --dtype`")
+    p.add_argument("--quantization", default="auto", help="as `llamaserve serve --quantization`")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    loaded = load_model(args.model, device=args.device, progress=False)
+    loaded = load_model(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        quantization=args.quantization,
+        progress=False,
+    )
     engine = create_engine(
         loaded.model,
         loaded.tokenizer,

@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -92,6 +95,10 @@ def race(
     results = {}
     for name in servers:
         port = free_port()
+        if name == "transformers":
+            if scenario.clients in (1, 16):  # batch 1 and batch 16, as the peer is usually run
+                results[name] = transformers_run(scenario, prompts, args)
+            continue
         if name == "llamaserve":
             extra = [f"--max-num-seqs={max(64, scenario.clients)}", *args.llamaserve_args]
             command = llamaserve_command(args.model, port, args.threads, extra)
@@ -106,6 +113,29 @@ def race(
     return results
 
 
+def transformers_run(
+    scenario: Scenario, prompts: list[list[int]], args: argparse.Namespace
+) -> tuple[RunStats, int]:
+    job = {
+        "model": str(args.model),
+        "prompts": prompts,
+        "batch": scenario.clients,
+        "max_tokens": scenario.max_tokens,
+        "threads": args.threads,
+    }
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.transformers_peer"],
+        input=json.dumps(job),
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    nan = float("nan")
+    stats = RunStats(len(prompts), 0, result["output_tokens"], result["wall_s"], nan, nan, nan, nan)
+    return stats, result["peak_rss"]
+
+
 def report(scenario: Scenario, results: dict[str, tuple[RunStats, int]]) -> None:
     print(f"\n{scenario.describe()}")
     print(f"{'server':<13}{'tok/s':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
@@ -116,6 +146,9 @@ def report(scenario: Scenario, results: dict[str, tuple[RunStats, int]]) -> None
             f"{s.itl_p50_s * 1e3:>7.0f}ms{s.itl_p99_s * 1e3:>6.0f}ms{rss / 2**30:>8.2f}GB"
             f"{s.num_errors:>8}"
         )
+    if {"llamaserve", "transformers"} <= results.keys():
+        ratio = results["llamaserve"][0].output_tok_s / results["transformers"][0].output_tok_s
+        print(f"{'vs transformers':<13}{ratio:>6.2f}x")
     if {"llamaserve", "llama-server"} <= results.keys():
         ours, _ = results["llamaserve"]
         peer, _ = results["llama-server"]
@@ -136,7 +169,12 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
     p.add_argument("--scenarios", default="abcde")
-    p.add_argument("--servers", nargs="+", default=["llamaserve", "llama-server"])
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        default=["llamaserve", "llama-server", "transformers"],
+        help="llamaserve, llama-server, transformers (generate, at 1 and 16 clients only)",
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--scale", type=float, default=1.0, help="multiply each scenario's requests")
     p.add_argument("--seed", type=int, default=None, help="prompt seed (default: random)")
