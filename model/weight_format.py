@@ -6,12 +6,14 @@ activations are several times faster than fp32 at decode batch sizes; on an AVX2
 bf16 matrix multiplies run ten times slower than fp32. So nothing is assumed: `auto` times
 each allowed candidate and takes the fastest. It never quantises below the checkpoint's own
 precision on its own (a Q4 GGUF may run as int4, an fp16 checkpoint is not made int4
-unless asked). It must never change weights: the loader applies the choice.
+unless asked; int8, exact for no GGUF type, only when asked). It must never change
+weights: the loader applies the choice.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,10 +66,8 @@ def candidate_formats(
         if dtype not in ("auto", "float32"):
             raise UnsupportedFormatError("--batch-invariant needs --dtype float32 (or auto)")
         formats = candidate_formats("float32", quantization, checkpoint_bits, device)
-        if quantization == "auto" and device.type == "cpu" and checkpoint_bits is not None:
-            formats += [WeightFormat(torch.float32, "int8")]
-            if checkpoint_bits <= 4:
-                formats.append(WeightFormat(torch.float32, "int4"))
+        if quantization == "auto" and device.type == "cpu" and (checkpoint_bits or 16) <= 4:
+            formats.append(WeightFormat(torch.float32, "int4"))
         elif quantization in QUANTIZATIONS:
             formats = [WeightFormat(torch.float32, quantization)]
         return formats
@@ -82,10 +82,12 @@ def candidate_formats(
     floats = _float_formats(device) if dtype == "auto" else [WeightFormat(DTYPES[dtype])]
     if device.type != "cpu" or checkpoint_bits is None or dtype not in ("auto", "bfloat16"):
         return floats
-    quantized = [WeightFormat(torch.bfloat16, "int8")]
+    # int4 in groups of 32 holds a 4-bit GGUF type exactly; int8 with one scale per row
+    # holds none of the group-wise types exactly (1% error on Q4_1 weights), so it is
+    # never chosen for the user, only taken when asked for.
     if checkpoint_bits <= 4:
-        quantized.append(WeightFormat(torch.bfloat16, "int4"))
-    return floats + quantized
+        return [*floats, WeightFormat(torch.bfloat16, "int4")]
+    return floats
 
 
 def _float_formats(device: torch.device) -> list[WeightFormat]:
@@ -95,9 +97,9 @@ def _float_formats(device: torch.device) -> list[WeightFormat]:
 
 
 def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) -> float:
-    """Milliseconds the linear layers of one forward take in `fmt`, averaged over a few
-    batch sizes: one decoder layer's four shapes, times the number of layers, plus the
-    output projection."""
+    """Milliseconds the linear layers of one forward take in `fmt`, over a few batch sizes
+    (geometric mean): one decoder layer's four shapes, times the number of layers, plus
+    the output projection."""
     shapes = [
         (config.dim, config.q_size + 2 * config.kv_size),
         (config.q_size, config.dim),
@@ -115,14 +117,22 @@ def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) 
             module = quantized_linear(fmt.quantization, in_features, out_features, device)
             module.load_rows(0, weight)
             layers.append(module)
-    head = torch.randn(config.vocab_size, config.dim, device=device, dtype=fmt.dtype)
-    total_ms = 0.0
+    # An eighth of the output projection, timed and scaled: its cost is linear in the rows,
+    # and a full fp32 copy would raise the server's peak memory for a measurement.
+    head_rows = max(16, config.vocab_size // 8)
+    head = torch.randn(head_rows, config.dim, device=device, dtype=fmt.dtype)
+    log_total = 0.0
     for rows in MEASURED_BATCH_SIZES:
         inputs = [torch.randn(rows, i, device=device, dtype=fmt.dtype) for i, _ in shapes]
         x_head = torch.randn(rows, config.dim, device=device, dtype=fmt.dtype)
         layer_ms = _best_ms(partial(_run_layers, layers, inputs))
-        total_ms += layer_ms * config.n_layers + _best_ms(partial(F.linear, x_head, head))
-    return total_ms / len(MEASURED_BATCH_SIZES)
+        head_ms = _best_ms(partial(F.linear, x_head, head)) * config.vocab_size / head_rows
+        step_ms = layer_ms * config.n_layers + head_ms
+        log_total += math.log(step_ms)
+    # A geometric mean: a format twice as fast at one batch size and half as fast at another
+    # is a tie, whatever the absolute times (larger batches' longer steps would otherwise
+    # decide alone, and single-stream latency is what users feel first).
+    return math.exp(log_total / len(MEASURED_BATCH_SIZES))
 
 
 def _run_layers(layers: list[Callable[[torch.Tensor], torch.Tensor]], inputs: list) -> None:
@@ -156,7 +166,7 @@ def choose_weight_format(
     near = [fmt for fmt, ms in timings.items() if ms <= fastest * (1 + NEAR_TIE)]
     best = min(near, key=lambda fmt: fmt.bits_per_weight)
     logger.info(
-        "weight format: %s (linear layers per step, mean over batch %s: %s)",
+        "weight format: %s (linear layers per step, geometric mean over batch %s: %s)",
         best.describe(),
         "/".join(str(b) for b in MEASURED_BATCH_SIZES),
         ", ".join(f"{f.describe()} {ms:.1f} ms" for f, ms in timings.items()),

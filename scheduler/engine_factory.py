@@ -25,6 +25,7 @@ MAX_MEASURED_BUDGET = 8192
 def create_engine(model: Llama, tokenizer: Tokenizer, config: EngineConfig | None = None) -> Engine:
     config = config or EngineConfig()
     runner = ModelRunner(model, config)
+    runner.measure_small_step_threads()
     kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(
         SchedulerConfig(

@@ -48,8 +48,9 @@ def test_a_single_candidate_is_not_timed() -> None:
 
 def test_auto_never_quantises_below_the_checkpoint() -> None:
     assert candidate_formats("auto", "auto", None, CPU) == [FP32, BF16]  # float weights
-    assert candidate_formats("auto", "auto", 8, CPU) == [FP32, BF16, INT8]  # Q8_0
-    assert candidate_formats("auto", "auto", 4, CPU) == [FP32, BF16, INT8, INT4]  # Q4_1
+    assert candidate_formats("auto", "auto", 8, CPU) == [FP32, BF16]  # Q8_0: int8 per row is lossy
+    assert candidate_formats("auto", "auto", 4, CPU) == [FP32, BF16, INT4]  # Q4_1: exact in int4
+    assert candidate_formats("auto", "int8", 4, CPU) == [INT8]  # asked for
     assert candidate_formats("float32", "auto", 4, CPU) == [FP32]
     assert candidate_formats("auto", "int4", None, CPU) == [INT4]  # asked for: lossy is fine
     assert candidate_formats("float32", "none", 4, CPU) == [FP32]
@@ -60,11 +61,8 @@ def test_auto_never_quantises_below_the_checkpoint() -> None:
 
 def test_batch_invariant_keeps_float32_activations() -> None:
     f32_int8, f32_int4 = WeightFormat(torch.float32, "int8"), WeightFormat(torch.float32, "int4")
-    assert candidate_formats("auto", "auto", 4, CPU, batch_invariant=True) == [
-        FP32,
-        f32_int8,
-        f32_int4,
-    ]
+    assert candidate_formats("auto", "auto", 4, CPU, batch_invariant=True) == [FP32, f32_int4]
+    assert candidate_formats("auto", "int8", 4, CPU, batch_invariant=True) == [f32_int8]
     assert candidate_formats("auto", "auto", None, CPU, batch_invariant=True) == [FP32]
     assert candidate_formats("auto", "int4", None, CPU, batch_invariant=True) == [f32_int4]
     with pytest.raises(UnsupportedFormatError, match="float32"):

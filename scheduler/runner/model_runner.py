@@ -12,6 +12,7 @@ never the engine thread.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -49,8 +50,10 @@ class ModelRunner:
             model.config, capacity.num_blocks, config.block_size, weight.dtype, weight.device
         )
         self.sampler = Sampler()
-        # The thread count the operator chose (--threads), for steps worth parallelising.
+        # The thread count the operator chose (--threads), for steps worth parallelising;
+        # small steps may run on fewer (measure_small_step_threads).
         self.max_threads = torch.get_num_threads()
+        self.small_step_threads = self.max_threads
         # A seeded sequence draws from its own generator for its whole life, preemptions
         # included, so its tokens do not depend on what else shares the batch.
         self._generators: dict[str, torch.Generator] = {}
@@ -76,13 +79,25 @@ class ModelRunner:
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         for request_id in plan.finished_ids:
             self._generators.pop(request_id, None)
-        result = ModelRunnerOutput()
         if not plan.scheduled:
-            return result
+            return ModelRunnerOutput()
+        num_tokens = sum(len(req.new_token_ids) for req in plan.scheduled)
+        threads = self._threads_for(num_tokens)
+        if threads == torch.get_num_threads():
+            return self._run(plan)
+        # Set for this step only: the thread count is process-wide state.
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return self._run(plan)
+        finally:
+            torch.set_num_threads(previous)
+
+    def _run(self, plan: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput()
         inputs = build_step_inputs(
             plan.scheduled, self.block_size, self.kv_cache.null_block, self.device
         )
-        self._set_threads(inputs.batch.num_tokens)
         started = time.monotonic()
         try:
             logits = self.model(inputs.batch, self.kv_cache)
@@ -117,16 +132,43 @@ class ModelRunner:
             _fail(result, sampling, "internal error in the sampler")
         return result
 
-    def _set_threads(self, num_tokens: int) -> None:
-        """A step of one or two tokens is hundreds of tiny ops, and on the CPU every parallel
-        region's fork and join then costs more than it saves: measured on the engine thread
-        of a 2-core machine, one sequence decodes at 34 ms per step on one thread against 51
-        on two; from four sequences on, two threads win (134 against 190 ms at sixteen)."""
+    def measure_small_step_threads(self, reps: int = 8) -> int:
+        """A step of one or two tokens is hundreds of tiny ops, where every parallel region's
+        fork and join may cost more than it saves: on one 2-core machine a single-sequence
+        decode took 34 ms per step on one thread against 51 on two when run off the main
+        thread, as the engine runs, while with bf16 weights one thread was the slower. So
+        this times a one-token step both ways on a thread of its own and keeps the faster;
+        bigger steps always get every thread."""
+        if self.device.type != "cpu" or self.max_threads == 1:
+            return self.small_step_threads
+        timings: dict[int, float] = {}
+
+        def measure() -> None:
+            batch = Batch.build([[0]], [self.block_size], [[0, 1]], self.block_size, self.device)
+            for threads in (self.max_threads, 1):
+                torch.set_num_threads(threads)
+                self.model(batch, self.kv_cache)  # warm-up
+                started = time.perf_counter()
+                for _ in range(reps):
+                    self.model(batch, self.kv_cache)
+                timings[threads] = (time.perf_counter() - started) * 1e3 / reps
+            torch.set_num_threads(self.max_threads)
+
+        thread = threading.Thread(target=measure, name="llamaserve-measure")
+        thread.start()
+        thread.join()
+        self.small_step_threads = min(timings, key=timings.get)
+        logger.info(
+            "one-token steps on %d thread(s): %s",
+            self.small_step_threads,
+            ", ".join(f"{n} thread(s) {ms:.1f} ms" for n, ms in timings.items()),
+        )
+        return self.small_step_threads
+
+    def _threads_for(self, num_tokens: int) -> int:
         if self.device.type != "cpu":
-            return
-        threads = 1 if num_tokens <= SMALL_STEP_TOKENS else self.max_threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+            return torch.get_num_threads()
+        return self.small_step_threads if num_tokens <= SMALL_STEP_TOKENS else self.max_threads
 
     def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
         if req.seed is None or req.params.greedy:
