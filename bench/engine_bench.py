@@ -18,29 +18,11 @@ import time
 
 import torch
 
+from bench.loadgen import make_prompt, percentile
 from model.loader import load_model
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
-
-WORDS = (
-    "river stone cloud seven garden engine window paper silver orange yellow market bridge "
-    "winter summer letter number planet forest candle mirror thunder castle pencil"
-).split()
-
-
-def percentile(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
-def make_prompt(tokenizer: object, rng: random.Random, num_tokens: int) -> list[int]:
-    ids: list[int] = []
-    while len(ids) < num_tokens:
-        ids += tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(32)))
-    return ids[:num_tokens]
 
 
 def main() -> None:

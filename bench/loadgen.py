@@ -12,10 +12,25 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import random
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+WORDS = (
+    "river stone cloud seven garden engine window paper silver orange yellow market bridge "
+    "winter summer letter number planet forest candle mirror thunder castle pencil"
+).split()
+
+
+def make_prompt(tokenizer: object, rng: random.Random, num_tokens: int) -> list[int]:
+    """Seeded random words as exactly `num_tokens` token ids: comparable across runs, and
+    distinct per seed so that no server's prompt cache helps it."""
+    ids: list[int] = []
+    while len(ids) < num_tokens:
+        ids += tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(32)))
+    return ids[:num_tokens]
 
 
 @dataclass

@@ -23,7 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.loadgen import RunStats, run_closed_loop
+from bench.loadgen import RunStats, make_prompt, run_closed_loop
 from bench.servers import (
     free_port,
     llama_server_binary,
@@ -31,11 +31,6 @@ from bench.servers import (
     llamaserve_command,
     running,
 )
-
-WORDS = (
-    "river stone cloud seven garden engine window paper silver orange yellow market bridge "
-    "winter summer letter number planet forest candle mirror thunder castle pencil"
-).split()
 
 
 @dataclass(frozen=True)
@@ -68,16 +63,12 @@ def make_prompts(tokenizer: object, scenario: Scenario, seed: int, scale: float)
     """Distinct seeded random-word prompts as token ids, so both servers see the very same
     tokens; a fresh seed per run keeps any server's prompt cache from helping it."""
     rng = random.Random(seed)
-
-    def words(num_tokens: int) -> list[int]:
-        ids: list[int] = []
-        while len(ids) < num_tokens:
-            ids += tokenizer.encode(" " + " ".join(rng.choice(WORDS) for _ in range(32)))
-        return ids[:num_tokens]
-
-    prefix = words(scenario.shared_prefix)
+    prefix = make_prompt(tokenizer, rng, scenario.shared_prefix) if scenario.shared_prefix else []
     count = max(scenario.clients, round(scenario.requests * scale))
-    return [prefix + words(scenario.prompt_len - len(prefix)) for _ in range(count)]
+    return [
+        prefix + make_prompt(tokenizer, rng, scenario.prompt_len - len(prefix))
+        for _ in range(count)
+    ]
 
 
 def cpu_description() -> str:

@@ -40,10 +40,6 @@ class RunningServer:
                 return int(line.split()[1]) * 1024
         return 0
 
-    def cpu_s(self) -> float:
-        fields = Path(f"/proc/{self.process.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
 
 def free_port() -> int:
     with socket.socket() as sock:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from model.errors import UnsupportedFormatError
+
 INT4_GROUP = 32
 QUANTIZATIONS = ("int8", "int4")
 
@@ -99,7 +101,7 @@ class Int4Linear(QuantizedLinear):
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
         if in_features % INT4_GROUP or out_features % 16:
-            raise ValueError(
+            raise UnsupportedFormatError(
                 f"int4 needs in_features divisible by {INT4_GROUP} and out_features by 16, "
                 f"got [{out_features}, {in_features}]"
             )

@@ -25,7 +25,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
-from model.quantized_linear import QUANTIZATIONS, quantized_linear
+from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, quantized_linear
 
 logger = logging.getLogger(__name__)
 
@@ -96,16 +96,25 @@ def _float_formats(device: torch.device) -> list[WeightFormat]:
     return [WeightFormat(torch.float32), WeightFormat(torch.bfloat16)]
 
 
-def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) -> float:
-    """Milliseconds the linear layers of one forward take in `fmt`, over a few batch sizes
-    (geometric mean): one decoder layer's four shapes, times the number of layers, plus
-    the output projection."""
-    shapes = [
+def _linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's linear layers, Q/K/V and gate/up fused."""
+    return [
         (config.dim, config.q_size + 2 * config.kv_size),
         (config.q_size, config.dim),
         (config.dim, 2 * config.ffn_dim),
         (config.ffn_dim, config.dim),
     ]
+
+
+def int4_fits(config: ModelConfig) -> bool:
+    return all(i % INT4_GROUP == 0 and o % 16 == 0 for i, o in _linear_shapes(config))
+
+
+def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) -> float:
+    """Milliseconds the linear layers of one forward take in `fmt`, over a few batch sizes
+    (geometric mean): one decoder layer's four shapes, times the number of layers, plus
+    the output projection."""
+    shapes = _linear_shapes(config)
     layers: list[Callable[[torch.Tensor], torch.Tensor]] = []
     for in_features, out_features in shapes:
         weight = torch.randn(out_features, in_features, device=device) * 0.02
@@ -183,5 +192,12 @@ def resolve_weight_format(
     batch_invariant: bool = False,
 ) -> WeightFormat:
     candidates = candidate_formats(dtype, quantization, checkpoint_bits, device, batch_invariant)
+    if not int4_fits(config):
+        if candidates == [c for c in candidates if c.quantization == "int4"]:
+            raise UnsupportedFormatError(
+                f"--quantization int4 needs layer inputs divisible by {INT4_GROUP} and outputs "
+                "by 16; this model's are not"
+            )
+        candidates = [c for c in candidates if c.quantization != "int4"]
     with torch.inference_mode():
         return choose_weight_format(candidates, lambda fmt: layer_step_ms(config, fmt, device))

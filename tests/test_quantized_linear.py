@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from model.errors import UnsupportedFormatError
 from model.quantized_linear import INT4_GROUP, Int4Linear, Int8Linear, quantized_linear
 
 SHAPES = [(576, 960), (1536, 576), (64, 96)]  # (in, out): SmolLM2's QKV and down; tiny
@@ -66,5 +67,5 @@ def test_rows_that_do_not_fit_are_refused() -> None:
         layer.load_rows(80, torch.zeros(32, 64))
     with pytest.raises(ValueError, match="do not fit"):
         layer.load_rows(0, torch.zeros(32, 48))
-    with pytest.raises(ValueError, match="divisible"):
+    with pytest.raises(UnsupportedFormatError, match="divisible"):
         Int4Linear(60, 96, "cpu")

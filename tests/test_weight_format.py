@@ -15,6 +15,7 @@ from model.weight_format import (
     candidate_formats,
     choose_weight_format,
     layer_step_ms,
+    resolve_weight_format,
 )
 from model.weights.safetensors import iter_safetensors, safetensors_files
 from tests.tiny_models import make_tiny_llama
@@ -67,6 +68,16 @@ def test_batch_invariant_keeps_float32_activations() -> None:
     assert candidate_formats("auto", "int4", None, CPU, batch_invariant=True) == [f32_int4]
     with pytest.raises(UnsupportedFormatError, match="float32"):
         candidate_formats("bfloat16", "auto", 4, CPU, batch_invariant=True)
+
+
+def test_int4_is_dropped_or_refused_for_shapes_it_cannot_pack() -> None:
+    odd = ModelConfig(
+        dim=48, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=12, ffn_dim=96, vocab_size=64
+    )
+    # auto quietly leaves int4 out (not even timed); asking for it is one sentence.
+    assert resolve_weight_format(odd, CPU, "auto", "auto", 4) in (FP32, BF16)
+    with pytest.raises(UnsupportedFormatError, match="int4 needs"):
+        resolve_weight_format(odd, CPU, "auto", "int4", 4)
 
 
 def test_layer_timing_runs_every_format_on_a_small_shape() -> None:
