@@ -3,6 +3,11 @@ import os
 import pytest
 import torch
 
+# Without a GPU, Triton kernels run on CPU tensors under Triton's interpreter; the switch
+# is read when a kernel is defined, so it must be set before any kernel module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 # Shared fixtures: the real server for API tests; the tokenizers for tokenizer tests.
 pytest_plugins = ["tests.live_server", "tests.smollm2_fixtures"]
 
