@@ -21,8 +21,15 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from model.attention import attention_backend
+from model.attention.base import AttentionBackend
 from model.config import ModelConfig
-from model.errors import ModelFileError, TokenizerError, UnsupportedModelError
+from model.errors import (
+    ModelFileError,
+    TokenizerError,
+    UnsupportedFormatError,
+    UnsupportedModelError,
+)
 from model.llama import Llama
 from model.presets import preset_config
 from model.text.chat_template import ChatTemplate
@@ -67,6 +74,7 @@ def load_model(
     progress: bool = True,
     quantization: str | None = None,
     batch_invariant: bool = False,
+    attention_backend: str = "auto",
 ) -> LoadedModel:
     """quantization: None keeps every weight in `dtype`; "int8" or "int4" quantises the
     decoder's linear layers as they load (model/quantized_linear.py). dtype "auto" or
@@ -140,12 +148,14 @@ def load_model(
     finally:
         torch.set_num_threads(threads)
     model.eval()
+    model.attention = _attention_backend(attention_backend, device)
     logger.info(
-        "loaded %s: %.1fM parameters, %s on %s in %.1f s",
+        "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
         name,
         config.num_parameters() / 1e6,
         fmt.describe(),
         device,
+        model.attention.name,
         time.perf_counter() - started,
     )
     return LoadedModel(name, path, config, model, tokenizer, template)
@@ -170,6 +180,13 @@ def _weight_format(
         checkpoint_bits,
         batch_invariant,
     )
+
+
+def _attention_backend(name: str, device: str) -> AttentionBackend:
+    try:
+        return attention_backend(name, device)
+    except ValueError as exc:
+        raise UnsupportedFormatError(str(exc)) from None
 
 
 def default_model_path_or_none() -> Path | None:
@@ -208,6 +225,7 @@ def load_random_model(
     max_position: int | None = None,
     quantization: str | None = None,
     batch_invariant: bool = False,
+    attention_backend: str = "auto",
 ) -> LoadedModel:
     """A model of a named published shape (`model.presets`) with random weights, to exercise
     memory, KV-cache capacity and speed at that scale without its checkpoint.
@@ -228,12 +246,15 @@ def load_random_model(
     model = Llama.random(
         config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization
     )
+    model.attention = _attention_backend(attention_backend, device)
     logger.info(
-        "built %s with random weights: %.1fM parameters, %s on %s in %.1f s (tokenizer: %s)",
+        "built %s with random weights: %.1fM parameters, %s on %s, %s attention, in %.1f s "
+        "(tokenizer: %s)",
         preset,
         config.num_parameters() / 1e6,
         fmt.describe(),
         device,
+        model.attention.name,
         time.perf_counter() - started,
         path or "byte-level stand-in",
     )

@@ -21,3 +21,4 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None: a default for the device
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    enforce_eager: bool = False  # CUDA: no decode-step graphs

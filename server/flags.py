@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from model.attention import BACKENDS
 from model.quantized_linear import QUANTIZATIONS
 from model.weight_format import DTYPES
 from scheduler.config import EngineConfig
@@ -23,7 +24,19 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="GGUF file or HF safetensors directory (default: the bundled SmolLM2-135M-Instruct)",
     )
-    p.add_argument("--device", default="cpu", help="torch device: cpu (default) or cuda")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="torch device: auto (default: cuda when a GPU is visible, else cpu), cpu, cuda, "
+        "cuda:N",
+    )
+    p.add_argument(
+        "--attention-backend",
+        default="auto",
+        choices=BACKENDS,
+        help="auto (default): triton_paged on CUDA (paged kernels reading K/V in place), "
+        "torch_ref on the CPU (plain PyTorch, the reference)",
+    )
     p.add_argument(
         "--dtype",
         default="auto",
@@ -142,6 +155,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=EngineConfig.gpu_memory_utilization,
         help="share of GPU memory for weights and KV cache "
         f"(default {EngineConfig.gpu_memory_utilization})",
+    )
+    p.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="on CUDA, run every step eagerly instead of replaying the decode steps' CUDA graphs "
+        "captured at start-up",
     )
     p.add_argument(
         "--max-waiting",

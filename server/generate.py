@@ -20,6 +20,7 @@ def generate(args: argparse.Namespace) -> int:
         ServeConfig(
             model=args.model,
             device=args.device,
+            attention_backend=args.attention_backend,
             dtype=args.dtype,
             quantization=args.quantization,
             batch_invariant=args.batch_invariant,

@@ -38,7 +38,8 @@ class ServeConfig:
     served_model_name: list[str] = field(default_factory=list)
     api_keys: list[str] = field(default_factory=list)
     metrics_require_api_key: bool = False
-    device: str = "cpu"
+    device: str = "cpu"  # or "cuda", "cuda:N", "auto" (cuda when a GPU is visible)
+    attention_backend: str = "auto"  # model/attention: by device
     # A dtype, or a name ("auto" times this machine); the CLI defaults to "auto", code that
     # builds a config to the exact float32 the transformers comparisons hold to.
     dtype: torch.dtype | str = torch.float32
@@ -61,26 +62,35 @@ class ServeConfig:
     tokenizer: str | None = None
 
 
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
 def load(config: ServeConfig) -> LoadedModel:
+    device = resolve_device(config.device)
     if config.random_weights:
         if config.model_config is None:
             raise UnsupportedModelError("--random-weights needs --model-config (e.g. llama3-1b)")
         return load_random_model(
             config.model_config,
-            device=config.device,
+            device=device,
             dtype=config.dtype,
             tokenizer_path=config.tokenizer,
             max_position=config.engine.max_model_len,
             quantization=config.quantization,
             batch_invariant=config.batch_invariant,
+            attention_backend=config.attention_backend,
         )
     return load_model(
         config.model,
-        device=config.device,
+        device=device,
         dtype=config.dtype,
         max_position=config.engine.max_model_len,
         quantization=config.quantization,
         batch_invariant=config.batch_invariant,
+        attention_backend=config.attention_backend,
     )
 
 
