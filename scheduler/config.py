@@ -6,6 +6,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# Tokens one step may feed on a GPU when --max-num-batched-tokens is not given.
+GPU_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+class EngineConfigError(ValueError):
+    """An engine setting this model or device cannot honour; one sentence the CLI prints."""
+
 
 @dataclass
 class EngineConfig:

@@ -9,7 +9,7 @@ import logging
 
 from model.llama import Llama
 from model.text.tokenizer import Tokenizer
-from scheduler.config import EngineConfig
+from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from scheduler.engine import Engine
 from scheduler.kv_cache import KVCacheManager
 from scheduler.runner.model_runner import ModelRunner
@@ -18,7 +18,6 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 logger = logging.getLogger(__name__)
 
 
-GPU_MAX_NUM_BATCHED_TOKENS = 2048
 MAX_MEASURED_BUDGET = 8192
 
 

@@ -114,6 +114,7 @@ def serve(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
+    from scheduler.config import EngineConfigError
 
     args = build_parser().parse_args(argv)
     if args.threads is not None:
@@ -131,7 +132,13 @@ def main(argv: list[str] | None = None) -> int:
             return generate(args)
         if args.command == "serve":
             return serve(args)
-    except (ModelFileError, UnsupportedModelError, UnsupportedFormatError, UsageError) as exc:
+    except (
+        ModelFileError,
+        UnsupportedModelError,
+        UnsupportedFormatError,
+        EngineConfigError,
+        UsageError,
+    ) as exc:
         print(f"llamaserve: {exc}", file=sys.stderr)
         return 2
     return 1

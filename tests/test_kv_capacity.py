@@ -60,3 +60,37 @@ def test_max_model_len_is_capped_to_what_the_cache_holds() -> None:
             torch.float32,
             torch.device("cpu"),
         )
+
+
+def test_gpu_kv_budget_is_what_the_profiled_peak_leaves() -> None:
+    from scheduler.config import EngineConfigError
+    from scheduler.runner.memory_profile import kv_budget_from
+
+    gib = 2**30
+    assert kv_budget_from(80 * gib, 0.9, 20 * gib, gib) == int(80 * gib * 0.9) - 21 * gib
+    with pytest.raises(EngineConfigError, match="--gpu-memory-utilization 0.2 leaves no GPU"):
+        kv_budget_from(80 * gib, 0.2, 20 * gib, gib)
+
+
+def test_largest_step_runs_the_model_and_the_sampler_on_a_scratch_cache() -> None:
+    """The profiling step itself, on the CPU: a token budget spread over the sequences,
+    every sampler option on; the scratch cache holds exactly the step's blocks."""
+    from model.llama import Llama
+    from model.sampler import Sampler
+    from scheduler.runner.memory_profile import run_largest_step
+
+    config = ModelConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=512
+    )
+    model = Llama.random(config)
+    calls = []
+
+    class CountingSampler(Sampler):
+        def __call__(self, logits, meta):
+            calls.append((tuple(logits.shape), meta.num_logprobs, meta.use_top_p))
+            return super().__call__(logits, meta)
+
+    scratch = run_largest_step(model, CountingSampler(), num_tokens=100, num_seqs=8, block_size=16)
+    assert calls == [((8, 512), 20, True)]
+    # 8 sequences of 12 or 16 tokens: one block each, plus the null block.
+    assert scratch == 2 * 2 * 9 * 16 * config.n_kv_heads * config.head_dim * 4

@@ -18,6 +18,7 @@ from model.weights.safetensors import iter_safetensors, safetensors_files  # noq
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine_factory import create_engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402
+from scheduler.runner.decode_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
 from tests.engine_driver import run_engine  # noqa: E402
 from tests.tiny_models import make_tiny_llama  # noqa: E402
 
@@ -101,3 +102,52 @@ def _tokenizer(path):
     from model.text.llama3_tokenizer import llama3_byte_tokenizer
 
     return llama3_byte_tokenizer()
+
+
+def test_graph_batch_sizes_cover_every_batch() -> None:
+    sizes = graph_batch_sizes(20)
+    assert sizes == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(1) == [1]
+    assert all(any(s >= n for s in sizes) for n in range(1, 21))
+
+
+def test_decode_steps_on_static_buffers_match_ordinary_steps(tiny_gqa, device: str) -> None:
+    """The decode-graph path (padded static buffers) run without capture, which any device
+    can do: batches of 5, 4, 3 ... sequences pad up to the ladder's 8 and 4."""
+    g = torch.Generator().manual_seed(2)
+    prompts = {f"r{i}": torch.randint(0, 512, (3 + 9 * i,), generator=g).tolist() for i in range(5)}
+    config = EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory=2**20, block_size=BLOCK
+    )
+    results = {}
+    for graphs in (False, True):
+        engine = create_engine(
+            _load(tiny_gqa, "triton_paged", device).model, _tokenizer(tiny_gqa), config
+        )
+        runner = engine.runner
+        calls = []
+        if graphs:
+            static = DecodeGraphs(
+                runner.model, runner.kv_cache, 8, runner.max_model_len, capture=False
+            )
+            original = static.run
+            static.run = lambda batch, run=original, seen=calls: (
+                seen.append(batch.num_seqs) or run(batch)
+            )
+            runner.decode_graphs = static
+        # Different lengths finish at different steps, so the batch shrinks as it runs.
+        requests = {
+            rid: (
+                ids,
+                SamplingParams(max_tokens=4 + 3 * i, temperature=0.0, logprobs=0, ignore_eos=True),
+            )
+            for i, (rid, ids) in enumerate(prompts.items())
+        }
+        results[graphs], _ = run_engine(engine, requests)
+        if graphs:
+            assert {5, 4, 3} <= set(calls)
+    for key, eager in results[False].items():
+        padded = results[True][key]
+        assert padded.token_ids == eager.token_ids, key
+        lp = [[x.logprob for o in r.outputs for x in o.logprobs or []] for r in (eager, padded)]
+        torch.testing.assert_close(torch.tensor(lp[1]), torch.tensor(lp[0]), rtol=0, atol=1e-5)

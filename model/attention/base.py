@@ -16,6 +16,9 @@ from model.batch import Batch
 
 class AttentionBackend(ABC):
     name: str = "abstract"
+    # True when a step of decodes only is planned from the batch's device tensors alone
+    # (no host-to-device copies, a grid fixed by shapes): CUDA graphs can capture it.
+    supports_cuda_graphs: bool = False
 
     @abstractmethod
     def plan(self, batch: Batch) -> Any:

@@ -14,13 +14,11 @@ from dataclasses import dataclass
 import torch
 
 from model.config import ModelConfig
-from scheduler.config import EngineConfig
+from scheduler.config import EngineConfig, EngineConfigError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 * 2**30
-# Room left on a GPU for activations and the sampler's [batch, vocab] temporaries.
-GPU_ACTIVATION_RESERVE_BYTES = 2 * 2**30
 
 
 def kv_bytes_per_block(
@@ -36,7 +34,7 @@ def num_blocks_for_budget(kv_budget_bytes: int, bytes_per_block: int) -> int:
         raise ValueError(f"bytes_per_block must be positive, got {bytes_per_block}")
     num_blocks = kv_budget_bytes // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(
+        raise EngineConfigError(
             f"KV-cache budget of {kv_budget_bytes} bytes holds no block of {bytes_per_block} "
             "bytes; raise the KV-cache budget or lower --block-size"
         )
@@ -51,23 +49,24 @@ class KVCapacity:
 
 
 def plan_kv_capacity(
-    config: EngineConfig, model: ModelConfig, dtype: torch.dtype, device: torch.device
+    config: EngineConfig,
+    model: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    measured_budget: int | None = None,
 ) -> KVCapacity:
-    """The context length is capped to what the cache can hold, so one request always fits."""
+    """The context length is capped to what the cache can hold, so one request always fits.
+    The budget is --kv-cache-memory when given, else `measured_budget` (on a GPU, what a
+    profiling step left: memory_profile.py), else the CPU default."""
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
     per_block = kv_bytes_per_block(
         model.n_layers, model.n_kv_heads, model.head_dim, config.block_size, dtype_bytes
     )
-    budget = config.kv_cache_memory
+    budget = config.kv_cache_memory or measured_budget
     if budget is None:
-        if device.type == "cuda":
-            free, total = torch.cuda.mem_get_info(device)
-            used = total - free
-            budget = (
-                int(total * config.gpu_memory_utilization) - used - GPU_ACTIVATION_RESERVE_BYTES
-            )
-        else:
-            budget = DEFAULT_CPU_KV_BYTES
+        if device.type != "cpu":
+            raise EngineConfigError(f"the KV-cache budget on {device} must be measured or given")
+        budget = DEFAULT_CPU_KV_BYTES
     # One block of the budget is the null block that pads block tables.
     num_blocks = num_blocks_for_budget(budget - per_block, per_block)
     capacity_tokens = num_blocks * config.block_size

@@ -21,10 +21,12 @@ from model.batch import Batch
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
 from model.sampler import Sampler, SamplerOutput, token_logprobs
-from scheduler.config import EngineConfig
+from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from scheduler.request import TokenLogprob
+from scheduler.runner.decode_graphs import DecodeGraphs
 from scheduler.runner.inputs import build_step_inputs, sampling_metadata
 from scheduler.runner.kv_capacity import plan_kv_capacity
+from scheduler.runner.memory_profile import gpu_kv_budget
 from scheduler.step_data import (
     ModelRunnerOutput,
     SampledToken,
@@ -43,13 +45,35 @@ class ModelRunner:
         weight = model.embed_tokens.weight
         self.device = weight.device
         self.block_size = config.block_size
-        capacity = plan_kv_capacity(config, model.config, weight.dtype, weight.device)
+        self.sampler = Sampler()
+        budget = None
+        if self.device.type == "cuda" and config.kv_cache_memory is None:
+            budget = gpu_kv_budget(
+                model,
+                self.sampler,
+                config.max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS,
+                config.max_num_seqs,
+                config.block_size,
+                config.gpu_memory_utilization,
+            )
+        capacity = plan_kv_capacity(config, model.config, weight.dtype, weight.device, budget)
         self.num_blocks = capacity.num_blocks
         self.max_model_len = capacity.max_model_len
         self.kv_cache = PagedKVCache.allocate(
             model.config, capacity.num_blocks, config.block_size, weight.dtype, weight.device
         )
-        self.sampler = Sampler()
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            if model.attention.supports_cuda_graphs:
+                self.decode_graphs = DecodeGraphs(
+                    model, self.kv_cache, config.max_num_seqs, self.max_model_len
+                )
+                self.decode_graphs.capture()
+            else:
+                logger.info(
+                    "no CUDA graphs: the %s attention backend plans on the host",
+                    model.attention.name,
+                )
         # The thread count the operator chose (--threads), for steps worth parallelising;
         # small steps may run on fewer (measure_small_step_threads).
         self.max_threads = torch.get_num_threads()
@@ -100,7 +124,7 @@ class ModelRunner:
         )
         started = time.monotonic()
         try:
-            logits = self.model(inputs.batch, self.kv_cache)
+            logits = self.forward(inputs.batch)
             result.forward_s = time.monotonic() - started
             result.num_tokens = inputs.batch.num_tokens
             for index, req in enumerate(plan.scheduled):
@@ -131,6 +155,11 @@ class ModelRunner:
             logger.exception("sampling failed; failing the %d requests it held", len(sampling))
             _fail(result, sampling, "internal error in the sampler")
         return result
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        if self.decode_graphs is not None and self.decode_graphs.fits(batch):
+            return self.decode_graphs.run(batch)
+        return self.model(batch, self.kv_cache)
 
     def measure_small_step_threads(self, reps: int = 8) -> int:
         """A step of one or two tokens is hundreds of tiny ops, where every parallel region's
@@ -202,10 +231,9 @@ def _prompt_logprobs(req: ScheduledRequest, logits: torch.Tensor) -> list[TokenL
 
 
 def _sampled_tokens(reqs: list[ScheduledRequest], out: SamplerOutput) -> dict[str, SampledToken]:
-    token_ids = out.token_ids.tolist()
-    chosen = out.logprobs.tolist() if out.logprobs is not None else None
-    top_ids = out.top_ids.tolist() if out.top_ids is not None else None
-    top_lps = out.top_logprobs.tolist() if out.top_logprobs is not None else None
+    token_ids, chosen, top_ids, top_lps = _to_host(
+        out.token_ids, out.logprobs, out.top_ids, out.top_logprobs
+    )
     sampled = {}
     for i, req in enumerate(reqs):
         logprob = None
@@ -219,6 +247,21 @@ def _sampled_tokens(reqs: list[ScheduledRequest], out: SamplerOutput) -> dict[st
             logprob = TokenLogprob(token_ids[i], chosen[i], top)
         sampled[req.request_id] = SampledToken(token_ids[i], logprob)
     return sampled
+
+
+def _to_host(*tensors: torch.Tensor | None) -> list[list | None]:
+    """As lists, with one wait per step: on a GPU the copies are queued together into
+    pinned memory and waited for once (one device-to-host copy when only token ids are
+    asked for), where a `tolist` each would wait on the device every time."""
+    present = [t for t in tensors if t is not None]
+    if present and present[0].device.type == "cuda":
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in present]
+        for target, source in zip(host, present, strict=True):
+            target.copy_(source, non_blocking=True)
+        torch.cuda.current_stream(present[0].device).synchronize()
+        present = host
+    lists = iter([t.tolist() for t in present])
+    return [next(lists) if t is not None else None for t in tensors]
 
 
 def _fail(result: ModelRunnerOutput, reqs: list[ScheduledRequest], message: str) -> None:
