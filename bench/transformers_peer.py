@@ -25,15 +25,22 @@ def main() -> None:
     job = json.loads(sys.stdin.read())
     path = Path(job.get("model") or default_model_path_or_none())
     torch.set_num_threads(job.get("threads", 2))
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
+    device = job.get("device", "cpu")
+    model = (
+        AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, dtype=getattr(torch, job.get("dtype", "float32"))
+        )
+        .eval()
+        .to(device)
+    )
     prompts, batch, max_tokens = job["prompts"], job["batch"], job["max_tokens"]
     output_tokens = 0
     started = time.perf_counter()
     for first in range(0, len(prompts), batch):
         group = prompts[first : first + batch]
-        ids = torch.tensor(group)  # every prompt of a scenario has the same length: no padding
+        ids = torch.tensor(
+            group, device=device
+        )  # every prompt of a scenario has the same length: no padding
         with torch.inference_mode():
             out = model.generate(
                 input_ids=ids,

@@ -84,10 +84,18 @@ def test_paged_decode_matches_twin(
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("n_rep", GQA)
-def test_paged_prefill_matches_twin(n_rep: int, head_dim: int, block_size: int, device: str) -> None:
+def test_paged_prefill_matches_twin(
+    n_rep: int, head_dim: int, block_size: int, device: str
+) -> None:
     # (cached prefix, new tokens): a fresh prompt, one longer than a tile, chunks after a
     # prefix ending mid-block and on a block boundary, and a single new token.
-    shapes = [(0, 5), (0, 2 * block_size + 3), (block_size + 3, 17), (block_size, block_size), (7, 1)]
+    shapes = [
+        (0, 5),
+        (0, 2 * block_size + 3),
+        (block_size + 3, 17),
+        (block_size, block_size),
+        (7, 1),
+    ]
     lengths = [p + n for p, n in shapes]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2
     k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 10 + n_rep)
