@@ -6,7 +6,8 @@ per query head. Long contexts are split over `num_splits` programs (split-K), ea
 covering a fixed run of `blocks_per_split` blocks; a second kernel merges the splits'
 partial results by their log-sum-exp. A split past a sequence's end contributes nothing,
 so the result depends only on the sequence itself, not on the grid it ran in, and the
-grid depends only on shapes: CUDA graphs can capture it.
+grid depends only on shapes: CUDA graphs can capture it. The split count is a run-time
+argument, so contexts of every length share one compiled kernel.
 
 Softmax and accumulation run in fp32 whatever the cache dtype."""
 
@@ -29,6 +30,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    num_splits,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -44,7 +46,7 @@ def _decode_split_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SINGLE_SPLIT: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,11 +90,11 @@ def _decode_split_kernel(
 
     out = acc / tl.maximum(denom, 1e-30)[:, None]  # an empty split has acc = 0
     store_mask = head_ok[:, None] & dim_ok[None, :]
-    if NUM_SPLITS == 1:
+    if SINGLE_SPLIT:
         dest = out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :]
         tl.store(dest, out.to(out_ptr.dtype.element_ty), mask=store_mask)
     else:
-        row = (seq * N_HEADS + heads) * NUM_SPLITS + split
+        row = (seq * N_HEADS + heads) * num_splits + split
         tl.store(part_out_ptr + row[:, None] * HEAD_DIM + dims[None, :], out, mask=store_mask)
         lse = tl.where(denom > 0, m + tl.log(tl.maximum(denom, 1e-30)), float("-inf"))
         tl.store(part_lse_ptr + row, lse, mask=head_ok)
@@ -104,12 +106,12 @@ def _decode_merge_kernel(
     part_lse_ptr,
     token_index_ptr,
     out_ptr,
+    num_splits,
     stride_ot,
     stride_oh,
     N_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -117,8 +119,8 @@ def _decode_merge_kernel(
     token = tl.load(token_index_ptr + seq)
     splits = tl.arange(0, BLOCK_S)
     dims = tl.arange(0, BLOCK_D)
-    split_ok = splits < NUM_SPLITS
-    row = (seq * N_HEADS + head) * NUM_SPLITS + splits
+    split_ok = splits < num_splits
+    row = (seq * N_HEADS + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + row, mask=split_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     top = tl.where(top == float("-inf"), 0.0, top)
@@ -178,6 +180,7 @@ def paged_decode(
         part_out,
         part_lse,
         scale,
+        num_splits,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -193,7 +196,7 @@ def paged_decode(
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
         BLOCKS_PER_SPLIT=blocks_per_split,
-        NUM_SPLITS=num_splits,
+        SINGLE_SPLIT=num_splits == 1,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, n_heads)](
@@ -201,12 +204,12 @@ def paged_decode(
             part_lse,
             token_index,
             out,
+            num_splits,
             out.stride(0),
             out.stride(1),
             N_HEADS=n_heads,
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
             BLOCK_S=next_power_of_2(num_splits),
         )
 
