@@ -8,7 +8,7 @@ takes HF-named tensors in the HF (rotate-halves) RoPE layout and fills the fused
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +19,8 @@ from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
 from model.config import ModelConfig
 from model.paged_cache import PagedKVCache
+from model.parallel.comm import all_reduce, gather_vocab
+from model.parallel.plan import TensorParallel
 from model.quantized_linear import QuantizedLinear, quantized_linear
 from model.rope import RotaryEmbedding, apply_rope
 
@@ -46,6 +48,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        # Under tensor parallelism O and down hold a slice of their input columns: their
+        # outputs are partial sums the ranks add up (model/parallel/comm.py).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def forward(
         self,
@@ -65,9 +70,11 @@ class DecoderLayer(nn.Module):
         v = v.view(-1, c.n_kv_heads, c.head_dim)
         q, k = apply_rope(q, k, *rope)
         attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=c.head_dim**-0.5)
-        h = h + self.o_proj(attn.reshape(-1, c.q_size))
+        out = self.o_proj(attn.reshape(-1, c.q_size))
+        h = h + (self.reduce(out) if self.reduce else out)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return h + (self.reduce(out) if self.reduce else out)
 
 
 class Llama(nn.Module):
@@ -77,14 +84,26 @@ class Llama(nn.Module):
         max_position: int | None = None,
         attention: AttentionBackend | None = None,
         device: torch.device | str = "cpu",
+        tp: TensorParallel | None = None,
     ) -> None:
+        """With `tp`, this rank's share of the model (model/parallel/plan.py): `config`
+        becomes the rank's own shapes (its heads, KV heads and FFN rows; the vocabulary
+        stays whole, as the logits are), which is also what sizes its KV cache."""
         super().__init__()
-        self.config = config
+        self.tp = tp
+        self.config = tp.local_config(config) if tp else config
+        self.vocab_rows = tp.vocab_rows(config.vocab_size) if tp else (0, config.vocab_size)
+        vocab_rows = self.vocab_rows[1] - self.vocab_rows[0]
         self.attention = attention or TorchRefBackend()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.dim)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.n_layers))
+        # Rank 0 of a tensor-parallel group broadcasts each step here (model/parallel/steps.py).
+        self.before_forward: Callable[[Batch, PagedKVCache], None] | None = None
+        self.embed_tokens = nn.Embedding(vocab_rows, config.dim)
+        self.layers = nn.ModuleList(DecoderLayer(self.config) for _ in range(config.n_layers))
+        if tp:
+            for layer in self.layers:
+                layer.reduce = all_reduce
         self.norm = RMSNorm(config.dim, config.norm_eps)
-        self.lm_head = nn.Linear(config.dim, config.vocab_size, bias=False)
+        self.lm_head = nn.Linear(config.dim, vocab_rows, bias=False)
         self.tie_weights()
         self.rope = RotaryEmbedding(config, max_position or config.max_position, device)
 
@@ -122,12 +141,13 @@ class Llama(nn.Module):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         quantization: str | None = None,
+        tp: TensorParallel | None = None,
     ) -> Llama:
         """A model with uninitialised weights: random init of a model about to be loaded
         costs seconds for nothing. With `quantization`, the linear layers are quantised
         ones, filled as the weights load."""
         with torch.device("meta"):
-            model = cls(config, max_position, device="meta")
+            model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
                 model.quantize_linears(quantization)
         model = model.to_empty(device=device).to(dtype)
@@ -167,14 +187,28 @@ class Llama(nn.Module):
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:
         """Logits [len(batch.logits_indices), vocab] in fp32."""
+        if self.before_forward is not None:
+            self.before_forward(batch, kv_cache)
         plan = self.attention.plan(batch)
-        h = self.embed_tokens(batch.input_ids)
+        h = self._embed(batch.input_ids)
         rope = self.rope(batch.positions)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
             h = layer(h, batch, rope, self.attention, plan, k_cache, v_cache)
         h = self.norm(h[batch.logits_indices])
-        return self.lm_head(h).float()
+        logits = self.lm_head(h).float()
+        if self.tp:
+            logits = gather_vocab(logits, self.config.vocab_size)
+        return logits
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if not self.tp:
+            return self.embed_tokens(ids)
+        # Each rank looks up the ids in its vocabulary rows; exactly one rank has each.
+        start, end = self.vocab_rows
+        inside = (ids >= start) & (ids < end)
+        h = self.embed_tokens((ids - start).clamp(0, end - start - 1))
+        return all_reduce(h * inside.unsqueeze(1).to(h.dtype))
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -31,6 +31,7 @@ from model.errors import (
     UnsupportedModelError,
 )
 from model.llama import Llama
+from model.parallel.plan import TensorParallel
 from model.presets import preset_config
 from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import llama3_chat_format
@@ -75,10 +76,13 @@ def load_model(
     quantization: str | None = None,
     batch_invariant: bool = False,
     attention_backend: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """quantization: None keeps every weight in `dtype`; "int8" or "int4" quantises the
     decoder's linear layers as they load (model/quantized_linear.py). dtype "auto" or
-    quantization "auto" choose by timing this machine (model/weight_format.py)."""
+    quantization "auto" choose by timing this machine (model/weight_format.py), except
+    under tensor parallelism (`tp`: this rank's shard only), where every rank must pick
+    the same format without talking: float32 on a CPU, bfloat16 on CUDA, unquantised."""
     started = time.perf_counter()
     path = Path(path) if path is not None else default_model_path()
     if path.is_dir() and (path / "config.json").is_file():
@@ -130,10 +134,15 @@ def load_model(
         # Llama 3 checkpoints without a Jinja template still chat the way Meta formats it.
         template = llama3_chat_format(tokenizer)
 
+    if tp is not None:
+        tp.check(config)
+        dtype, quantization = _same_on_every_rank(dtype, quantization, device)
     fmt = _weight_format(dtype, quantization, config, device, checkpoint_bits, batch_invariant)
     # Quantised layers are filled from the checkpoint's own values, not a rounded copy.
     weights = read_weights(torch.float32 if fmt.quantization else fmt.dtype)
-    model = Llama.empty(config, max_position, device, fmt.dtype, fmt.quantization)
+    if tp is not None:
+        weights = tp.shard_weights(weights, config)
+    model = Llama.empty(config, max_position, device, fmt.dtype, fmt.quantization, tp=tp)
     bar = tqdm(weights, total=total, desc="loading weights", unit="tensor", disable=not progress)
     # Dequantisation is many small ops: one thread is several times faster than two that
     # wait on each other, and far faster when another process holds a core.
@@ -180,6 +189,16 @@ def _weight_format(
         checkpoint_bits,
         batch_invariant,
     )
+
+
+def _same_on_every_rank(
+    dtype: torch.dtype | str, quantization: str | None, device: str
+) -> tuple[torch.dtype | str, str | None]:
+    if dtype == "auto":
+        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+    if quantization in ("auto", "none"):
+        quantization = None
+    return dtype, quantization
 
 
 def _attention_backend(name: str, device: str) -> AttentionBackend:

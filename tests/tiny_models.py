@@ -43,3 +43,30 @@ def make_tiny_llama(
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(directory, **kwargs)
     return model
+
+
+def write_tiny_tokenizer(directory: Path, vocab_size: int = 512) -> None:
+    """A byte-level BPE trained by the `tokenizers` library on a few sentences, small enough
+    for a tiny checkpoint's vocabulary, so the whole server can run on one."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = [
+        "The quick brown fox jumps over the lazy dog.",
+        "A paged KV cache holds the keys and values of every token.",
+        "Tensor parallelism splits every layer across the ranks.",
+    ] * 20
+    backend.train_from_iterator(corpus, trainer)
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"eos_token": "<|endoftext|>", "model_max_length": 256}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))

@@ -1,0 +1,102 @@
+"""Which part of the model a rank holds, and how each checkpoint tensor is cut for it.
+
+Column-parallel (output rows split): Q/K/V by heads, gate/up by FFN rows; row-parallel
+(input columns split, summed by an all-reduce): O and down; vocabulary-parallel: the
+embedding and the output projection by vocabulary rows. Rank r holds query heads
+[r * n_heads / N, (r + 1) * n_heads / N) and the KV heads those heads read; where there
+are fewer KV heads than ranks, each KV head is replicated on the N / n_kv_heads ranks whose
+query heads share it (as vLLM does).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from model.config import ModelConfig
+from model.errors import UnsupportedModelError
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int
+    size: int
+
+    def check(self, config: ModelConfig) -> None:
+        """One sentence when the model's shapes do not split N ways."""
+        n = self.size
+        if config.n_heads % n:
+            raise UnsupportedModelError(
+                f"--tensor-parallel-size {n} does not divide the model's {config.n_heads} "
+                "query heads"
+            )
+        if config.n_kv_heads % n and n % config.n_kv_heads:
+            raise UnsupportedModelError(
+                f"--tensor-parallel-size {n} neither divides the model's {config.n_kv_heads} "
+                "KV heads nor is a multiple of them"
+            )
+        if config.ffn_dim % n:
+            raise UnsupportedModelError(
+                f"--tensor-parallel-size {n} does not divide the model's FFN size {config.ffn_dim}"
+            )
+
+    def local_config(self, config: ModelConfig) -> ModelConfig:
+        """The shapes this rank's layers have; the vocabulary stays whole (the logits are)."""
+        self.check(config)
+        return dataclasses.replace(
+            config,
+            n_heads=config.n_heads // self.size,
+            n_kv_heads=max(1, config.n_kv_heads // self.size),
+            ffn_dim=config.ffn_dim // self.size,
+        )
+
+    def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
+        """[start, end) of this rank's vocabulary rows; every rank holds the same count
+        (the last pads with zero rows), so gathered logits line up."""
+        per_rank = -(-vocab_size // self.size)
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+    def kv_heads(self, config: ModelConfig) -> tuple[int, int]:
+        if config.n_kv_heads >= self.size:
+            per_rank = config.n_kv_heads // self.size
+            return self.rank * per_rank, (self.rank + 1) * per_rank
+        first = self.rank * config.n_kv_heads // self.size
+        return first, first + 1
+
+    def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+        """This rank's part of the HF-named tensor `name` (HF layout: [out, in])."""
+        n, r, hd = self.size, self.rank, config.head_dim
+        if name.endswith("self_attn.q_proj.weight"):
+            per_rank = config.q_size // n
+            return tensor[r * per_rank : (r + 1) * per_rank]
+        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+            first, end = self.kv_heads(config)
+            return tensor[first * hd : end * hd]
+        if name.endswith("self_attn.o_proj.weight"):
+            per_rank = config.q_size // n
+            return tensor[:, r * per_rank : (r + 1) * per_rank]
+        if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
+            per_rank = config.ffn_dim // n
+            return tensor[r * per_rank : (r + 1) * per_rank]
+        if name.endswith("mlp.down_proj.weight"):
+            per_rank = config.ffn_dim // n
+            return tensor[:, r * per_rank : (r + 1) * per_rank]
+        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+            start, end = self.vocab_rows(config.vocab_size)
+            rows = tensor[start:end]
+            if rows.shape[0] < end - start:
+                pad = rows.new_zeros(end - start - rows.shape[0], rows.shape[1])
+                rows = torch.cat([rows, pad])
+            return rows
+        return tensor  # norms: every rank holds them whole
+
+    def shard_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Cuts each tensor as it streams in: a rank never holds more than its own shard
+        plus the one tensor being read."""
+        for name, tensor in weights:
+            yield name, self.shard(name, tensor, config).contiguous()
