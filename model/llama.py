@@ -168,10 +168,11 @@ class Llama(nn.Module):
         seed: int = 0,
         std: float = 0.02,
         quantization: str | None = None,
+        tp: TensorParallel | None = None,
     ) -> Llama:
         """A model with seeded random weights (matrices N(0, std), norm gains 1), drawn on
         `device` itself: PyTorch's default init on the CPU takes minutes at 8B parameters."""
-        model = cls.empty(config, max_position, device, dtype, quantization)
+        model = cls.empty(config, max_position, device, dtype, quantization, tp)
         generator = torch.Generator(device=device).manual_seed(seed)
         for param in model.parameters():  # a tied weight is listed once
             if param.dim() == 1:

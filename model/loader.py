@@ -191,6 +191,31 @@ def _weight_format(
     )
 
 
+def resolve_device(name: str) -> str:
+    """--device auto: the GPU when torch sees one."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
+
+
+def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
+    """The model's shapes, read without its weights or tokenizer, for checks that should
+    fail before anything heavy starts; None when `path` is no model (load_model says why)."""
+    path = Path(path) if path is not None else default_model_path()
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelConfig.from_hf_dir(path)
+    if path.is_dir() and (path / "params.json").is_file():
+        checkpoint = open_meta_checkpoint(path)
+        return ModelConfig.from_meta_params(
+            checkpoint.params, checkpoint.tensor_names, source=str(path / "params.json")
+        )
+    if path.is_file() and path.suffix == ".gguf":
+        gguf = open_gguf(path)
+        names = {t.name for t in gguf.reader.tensors}
+        return ModelConfig.from_gguf_metadata(gguf.metadata, names, source=str(path))
+    return None
+
+
 def _same_on_every_rank(
     dtype: torch.dtype | str, quantization: str | None, device: str
 ) -> tuple[torch.dtype | str, str | None]:
@@ -245,6 +270,7 @@ def load_random_model(
     quantization: str | None = None,
     batch_invariant: bool = False,
     attention_backend: str = "auto",
+    tp: TensorParallel | None = None,
 ) -> LoadedModel:
     """A model of a named published shape (`model.presets`) with random weights, to exercise
     memory, KV-cache capacity and speed at that scale without its checkpoint.
@@ -261,9 +287,13 @@ def load_random_model(
             f"{path}: {tokenizer.vocab_size} tokens do not fit {preset}'s vocabulary of "
             f"{config.vocab_size}"
         )
+    if tp is not None:  # each rank draws its own shard's weights, seeded by its rank
+        tp.check(config)
+        dtype, quantization = _same_on_every_rank(dtype, quantization, device)
+        seed += tp.rank
     fmt = _weight_format(dtype, quantization, config, device, None, batch_invariant)
     model = Llama.random(
-        config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization
+        config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization, tp=tp
     )
     model.attention = _attention_backend(attention_backend, device)
     logger.info(

@@ -38,6 +38,9 @@ class AsyncEngine:
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="llamaserve-engine", daemon=True)
         self.alive = False
+        # Told why when the engine thread dies of an exception (tensor parallelism stops
+        # the server then: its ranks are out of step).
+        self.on_death: Callable[[str], None] | None = None
 
     def start(self) -> None:
         self.alive = True
@@ -47,6 +50,18 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
+
+    @property
+    def thread_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def fail(self, reason: str) -> None:
+        """Stops serving from outside the engine thread, which may be stuck: new requests
+        are refused and every one in flight ends with `reason` as its error."""
+        self.alive = False
+        self._stopping = True
+        self._wake.set()
+        self._fail_all(reason)
 
     @property
     def num_requests(self) -> int:
@@ -125,8 +140,10 @@ class AsyncEngine:
                 outputs, stats = self.engine.step()
                 self._deliver(outputs)
                 self._report(stats)
-        except Exception:
+        except Exception as exc:
             logger.exception("engine thread died")
+            if self.on_death is not None:
+                self.on_death(f"the engine stopped: {str(exc).strip().splitlines()[0]}")
         finally:
             self.alive = False
             self._fail_all()
@@ -139,20 +156,20 @@ class AsyncEngine:
         except Exception:  # a broken exporter must not stop serving
             logger.exception("on_step hook failed")
 
-    def _fail_all(self) -> None:
+    def _fail_all(self, reason: str = "the engine stopped") -> None:
         with self._lock:
             pending = list(self._queues.items())
+            # Failed once: a second call (the engine thread ending after `fail`) adds nothing.
+            self._queues.clear()
         for request_id, (loop, queue) in pending:
             out = RequestOutput(
-                request_id, [], "", finished=True, finish_reason="error", error="the engine stopped"
+                request_id, [], "", finished=True, finish_reason="error", error=reason
             )
             loop.call_soon_threadsafe(queue.put_nowait, out)
         with self._lock:
             inbox, self._inbox = self._inbox, []
         for _, _, _, admitted in inbox:
-            admitted.get_loop().call_soon_threadsafe(
-                _resolve, admitted, EngineDead("the engine stopped")
-            )
+            admitted.get_loop().call_soon_threadsafe(_resolve, admitted, EngineDead(reason))
 
 
 class RequestStream:
@@ -172,8 +189,6 @@ class RequestStream:
         try:
             while self._remaining:
                 out = await self._queue.get()
-                if out.error is not None and not self._engine.alive:
-                    raise EngineDead(out.error)
                 if out.finished:
                     self._remaining -= 1
                 yield out

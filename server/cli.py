@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 
 import torch
 
 from scheduler.config import EngineConfig
-from server.flags import add_model_flags, add_serve_flags
+from server.flags import UsageError, add_model_flags, add_parallel_flags, add_serve_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,11 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_flags(serve)
     add_serve_flags(serve)
+    add_parallel_flags(serve)
     return parser
-
-
-class UsageError(ValueError):
-    """Flags that contradict each other or name an unusable file: one sentence, exit 2."""
 
 
 def read_api_keys(path: str) -> list[str]:
@@ -61,7 +59,8 @@ def read_api_keys(path: str) -> list[str]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from server.launch import ServeConfig, build_server, uvicorn_server
+    from server.launch import ServeConfig, build_server, uvicorn_server, watch_ranks
+    from server.tensor_parallel import ParallelConfig, run_worker_node
 
     api_keys = list(args.api_key)
     if args.api_key_file is not None:
@@ -106,14 +105,31 @@ def serve(args: argparse.Namespace) -> int:
         random_weights=args.random_weights,
         model_config=args.model_config,
         tokenizer=args.tokenizer,
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            nnodes=args.nnodes,
+            node_rank=args.node_rank,
+            master_addr=args.master_addr,
+            master_port=args.master_port,
+            timeout_s=args.distributed_timeout,
+        ),
     )
+    parallel = config.parallel.resolved()
+    if parallel.tensor_parallel_size > 1 and parallel.node_rank != 0:
+        return run_worker_node(config, parallel)
     app, _ = build_server(config)
-    uvicorn_server(app, config).run()
+    server = uvicorn_server(app, config)
+    lost = watch_ranks(app, server)
+    server.run()
+    if lost:
+        print(f"llamaserve: {lost[0]}; stopped", file=sys.stderr)
+        os._exit(1)  # an engine thread may still wait inside a collective with a lost peer
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
+    from model.parallel.distributed import DistributedError
     from scheduler.config import EngineConfigError
 
     args = build_parser().parse_args(argv)
@@ -137,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         UnsupportedModelError,
         UnsupportedFormatError,
         EngineConfigError,
+        DistributedError,
         UsageError,
     ) as exc:
         print(f"llamaserve: {exc}", file=sys.stderr)

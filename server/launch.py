@@ -7,6 +7,7 @@ It wires parts together and owns none of their state.
 from __future__ import annotations
 
 import logging
+import re
 import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -18,7 +19,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from model.errors import UnsupportedModelError
-from model.loader import LoadedModel, load_model, load_random_model
+from model.loader import LoadedModel, load_model, load_random_model, resolve_device
+from model.parallel.plan import TensorParallel
 from scheduler.async_engine import AsyncEngine
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
@@ -26,6 +28,7 @@ from server.api import build_app
 from server.connections import bounded_http_protocol
 from server.metrics import ServerMetrics
 from server.state import ServerState
+from server.tensor_parallel import ParallelConfig, start_rank0
 
 logger = logging.getLogger("llamaserve.server")
 
@@ -60,15 +63,10 @@ class ServeConfig:
     random_weights: bool = False  # with model_config: a preset's shapes, random weights
     model_config: str | None = None
     tokenizer: str | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # -tp and its peers
 
 
-def resolve_device(name: str) -> str:
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return name
-
-
-def load(config: ServeConfig) -> LoadedModel:
+def load(config: ServeConfig, tp: TensorParallel | None = None) -> LoadedModel:
     device = resolve_device(config.device)
     if config.random_weights:
         if config.model_config is None:
@@ -82,6 +80,7 @@ def load(config: ServeConfig) -> LoadedModel:
             quantization=config.quantization,
             batch_invariant=config.batch_invariant,
             attention_backend=config.attention_backend,
+            tp=tp,
         )
     return load_model(
         config.model,
@@ -91,15 +90,30 @@ def load(config: ServeConfig) -> LoadedModel:
         quantization=config.quantization,
         batch_invariant=config.batch_invariant,
         attention_backend=config.attention_backend,
+        tp=tp,
     )
 
 
 def build_server(
     config: ServeConfig, loaded: LoadedModel | None = None
 ) -> tuple[FastAPI, ServerState]:
-    if loaded is None:
-        loaded = load(config)
-    engine = create_engine(loaded.model, loaded.tokenizer, config.engine)
+    """With -tp N, this process becomes rank 0: it starts its machine's other ranks first
+    (server/tensor_parallel.py), and its model broadcasts every step to them."""
+    parallel = config.parallel.resolved()
+    group = None
+    if parallel.tensor_parallel_size > 1:
+        group = start_rank0(config, parallel)
+    try:
+        if loaded is None:
+            tp = TensorParallel(0, parallel.tensor_parallel_size) if group else None
+            loaded = load(config, tp)
+        if group is not None:
+            loaded.model.before_forward = group.sender
+        engine = create_engine(loaded.model, loaded.tokenizer, config.engine)
+    except BaseException:
+        if group is not None:
+            group.close(engine_stopped=False)
+        raise
     names = config.served_model_name or [loaded.name]
     metrics = ServerMetrics(
         names[0],
@@ -120,6 +134,7 @@ def build_server(
         max_request_bytes=config.max_request_bytes,
     )
     app = build_app(state, metrics, config.allowed_origins)
+    app.state.tensor_parallel = group
     url = f"http://{config.host}:{config.port}/v1"
 
     @asynccontextmanager
@@ -128,10 +143,49 @@ def build_server(
         logger.info("llamaserve ready: model %s at %s", state.model_name, url)
         yield
         async_engine.shutdown()
+        if group is not None:
+            group.close(engine_stopped=not async_engine.thread_running)
         logger.info("llamaserve stopped")
 
     app.router.lifespan_context = lifespan
     return app, state
+
+
+UNHEALTHY_BEFORE_EXIT_S = 2.0
+
+
+def watch_ranks(app: FastAPI, server: uvicorn.Server) -> list[str]:
+    """Under tensor parallelism: when a worker exits or the engine thread dies of a
+    collective that failed, stop the engine (/health answers 503, in-flight requests end
+    with an error) and the server. Returns the list the reason is put in."""
+    lost: list[str] = []
+    group = app.state.tensor_parallel
+    if group is None:
+        return lost
+    engine: AsyncEngine = app.state.llamaserve.engine
+
+    def on_lost(reason: str) -> None:
+        if lost or server.should_exit:
+            return
+        reason = group.exited_worker() or _short(reason)
+        lost.append(reason)
+        logger.error("%s: stopping the server", reason)
+        engine.fail(reason)
+        # /health answers 503 for a moment first, so probes and routers see it go.
+        threading.Timer(
+            UNHEALTHY_BEFORE_EXIT_S, lambda: setattr(server, "should_exit", True)
+        ).start()
+
+    group.watch(on_lost)
+    engine.on_death = on_lost
+    return lost
+
+
+def _short(reason: str) -> str:
+    """The first sentence of an error from the collectives' library, without its source
+    location: "Read error [127.0.0.1]:24974: Connection reset by peer"."""
+    reason = re.sub(r"\[[^\]]*\.(cc|cpp|h):\d+\]\s*", "", reason)
+    return reason.split(". ")[0].rstrip(".")
 
 
 class GracefulServer(uvicorn.Server):

@@ -67,6 +67,12 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 512) -> None:
         "Tensor parallelism splits every layer across the ranks.",
     ] * 20
     backend.train_from_iterator(corpus, trainer)
+    # The corpus runs out of merges early: plain added tokens fill the model's vocabulary,
+    # so every id a random model emits decodes to some text.
+    from tokenizers import AddedToken
+
+    filler = [f"<|t{i}|>" for i in range(vocab_size - backend.get_vocab_size())]
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in filler])
     backend.save(str(directory / "tokenizer.json"))
     config = {"eos_token": "<|endoftext|>", "model_max_length": 256}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))

@@ -2,8 +2,9 @@
 step's `Batch` (plain tensors, nothing about requests) and which KV cache the step runs
 on; the workers run the same forward on their shards and meet rank 0 in its collectives.
 
-The message names a cache by its block count and whether it is the serving cache (kept)
-or a scratch one (start-up measurements: allocated for the step, then dropped)."""
+The message names the cache by its block count: a worker keeps one cache and replaces it
+when the count changes (a GPU's profiling step runs on a scratch cache before the serving
+one exists)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,6 @@ class StepMessage:
     batch: Batch | None  # None: stop
     num_blocks: int = 0
     block_size: int = 0
-    serving_cache: bool = True
 
 
 def broadcast(message: StepMessage | None) -> StepMessage:
@@ -34,16 +34,12 @@ def broadcast(message: StepMessage | None) -> StepMessage:
 class StepSender:
     """Rank 0's hook, run by the model before every forward (`Llama.before_forward`)."""
 
-    def __init__(self) -> None:
-        self.serving_cache: PagedKVCache | None = None
-
     def __call__(self, batch: Batch, kv_cache: PagedKVCache) -> None:
         broadcast(
             StepMessage(
                 batch=batch_to(batch, "cpu"),
                 num_blocks=kv_cache.num_blocks,
                 block_size=kv_cache.block_size,
-                serving_cache=kv_cache is self.serving_cache,
             )
         )
 

@@ -7,14 +7,15 @@ under torchrun."""
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
-from model.loader import load_model
+from model.loader import load_model, load_random_model
 from model.paged_cache import PagedKVCache
 from model.parallel.distributed import DistributedSpec, close_distributed, init_distributed
 from model.parallel.plan import TensorParallel
@@ -33,6 +34,15 @@ class WorkerSpec:
     max_position: int | None
     threads: int
     log_level: str = "INFO"
+    random_preset: str | None = None  # --random-weights --model-config PRESET
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WorkerSpec:
+        fields = json.loads(text)
+        return cls(**{**fields, "distributed": DistributedSpec(**fields["distributed"])})
 
 
 def worker_main(spec: WorkerSpec) -> None:
@@ -56,35 +66,47 @@ def worker_main(spec: WorkerSpec) -> None:
 
 def serve_steps(spec: WorkerSpec) -> int:
     d = spec.distributed
-    loaded = load_model(
-        spec.model,
-        device=d.device,
-        dtype=spec.dtype,
-        quantization=spec.quantization,
-        max_position=spec.max_position,
-        attention_backend=spec.attention_backend,
-        progress=False,
-        tp=TensorParallel(d.rank, d.world_size),
-    )
+    tp = TensorParallel(d.rank, d.world_size)
+    if spec.random_preset is not None:
+        loaded = load_random_model(
+            spec.random_preset,
+            device=d.device,
+            dtype=spec.dtype,
+            max_position=spec.max_position,
+            quantization=spec.quantization,
+            attention_backend=spec.attention_backend,
+            tp=tp,
+        )
+    else:
+        loaded = load_model(
+            spec.model,
+            device=d.device,
+            dtype=spec.dtype,
+            quantization=spec.quantization,
+            max_position=spec.max_position,
+            attention_backend=spec.attention_backend,
+            progress=False,
+            tp=tp,
+        )
     model = loaded.model
     dtype = model.embed_tokens.weight.dtype
-    serving: PagedKVCache | None = None
+    cache: PagedKVCache | None = None
     while True:
         message = broadcast(None)
         if message.batch is None:
             logger.info("stopped by rank 0")
             return 0
-        if message.serving_cache:
-            if serving is None or serving.num_blocks != message.num_blocks:
-                serving = PagedKVCache.allocate(
-                    model.config, message.num_blocks, message.block_size, dtype, d.device
-                )
-            cache = serving
-        else:
+        if cache is None or cache.num_blocks != message.num_blocks:
+            cache = None  # freed before its successor is allocated
             cache = PagedKVCache.allocate(
                 model.config, message.num_blocks, message.block_size, dtype, d.device
             )
         model(batch_to(message.batch, d.device), cache)
+
+
+def main() -> None:
+    """`python -m model.parallel.worker SPEC_JSON`, as the server starts its local ranks."""
+    worker_main(WorkerSpec.from_json(sys.argv[1]))
 
 
 def _die_with_parent() -> None:
@@ -92,3 +114,7 @@ def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         PR_SET_PDEATHSIG = 1
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+if __name__ == "__main__":
+    main()

@@ -62,8 +62,19 @@ class ModelRunner:
         self.kv_cache = PagedKVCache.allocate(
             model.config, capacity.num_blocks, config.block_size, weight.dtype, weight.device
         )
+        if model.tp is not None:
+            logger.info(
+                "tensor parallel over %d ranks: each holds %d KV head(s) and %d KV blocks "
+                "(%d tokens)",
+                model.tp.size,
+                model.config.n_kv_heads,
+                self.num_blocks,
+                self.num_blocks * self.block_size,
+            )
         self.decode_graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # A graph would replay rank 0's collectives without the broadcast that brings the
+        # other ranks to them: tensor-parallel steps run eagerly.
+        if self.device.type == "cuda" and not config.enforce_eager and model.tp is None:
             if model.attention.supports_cuda_graphs:
                 self.decode_graphs = DecodeGraphs(
                     model, self.kv_cache, config.max_num_seqs, self.max_model_len
@@ -133,6 +144,8 @@ class ModelRunner:
                     rows = logits[first : first + inputs.num_rows[index]]
                     result.prompt_logprobs[req.request_id] = _prompt_logprobs(req, rows)
         except Exception:
+            if self.model.tp is not None:
+                raise  # the ranks are out of step: nothing after this can be trusted
             logger.exception(
                 "forward failed; failing the %d requests of this step", len(plan.scheduled)
             )

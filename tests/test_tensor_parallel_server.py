@@ -1,0 +1,250 @@
+"""`llamaserve serve -tp N` as real processes on loopback (gloo): the server and its
+worker ranks, driven over HTTP by the openai client and httpx.
+
+- -tp 2 on a tiny GQA checkpoint serves the greedy tokens one process computes alone,
+  streamed and not, while chunked prefill and preemption reshape every batch; -tp 3 on
+  the default model (9 query heads, 3 KV heads: one each) does too;
+- two "nodes" on one machine (--nnodes 2, started separately) serve the same text as one;
+- a worker killed mid-stream ends the stream with an error event, /health answers 503, the
+  server exits 1 with one line and leaves no process behind;
+- sizes the heads cannot split, and a peer that never comes, are one sentence and exit 2;
+- the per-rank KV block count grows with N."""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from model.greedy import greedy_tokens
+from model.loader import load_model
+from tests.test_tensor_parallel import free_port
+from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
+
+# The tiny GQA model's KV block is 4096 bytes on one rank (2 KV heads), 2048 on each of two
+# (1 KV head): this budget holds 31 blocks on one rank, 63 on each of two (one block of the
+# budget is the null block).
+KV_BYTES = 32 * 4096
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_tp")
+    make_tiny_llama(path, heads="gqa")
+    write_tiny_tokenizer(path)
+    return path
+
+
+def serve_command(model: str | None, port: int, *flags: str) -> list[str]:
+    model_args = [model] if model else []
+    return [sys.executable, "-m", "server.cli", "serve", *model_args, "--port", str(port)] + [
+        "--threads", "1", "--dtype", "float32", *flags,
+    ]  # fmt: skip
+
+
+@contextmanager
+def server(command: list[str], log: Path, timeout_s: float = 240):
+    port = int(command[command.index("--port") + 1])
+    with log.open("wb") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        else:
+            raise AssertionError(f"server did not start: {log.read_text()[-3000:]}")
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    state = Path(f"/proc/{pid}/stat").read_text().split()[2]
+    return state != "Z"
+
+
+TEXTS = [
+    "The quick brown fox",
+    "A paged KV cache holds",
+    "Tensor parallelism splits",
+    "The lazy dog",
+    "keys and values of every token",
+    "every layer across the ranks",
+]
+
+
+def alone(loaded, texts: list[str], max_tokens: int) -> list[str]:
+    """Each prompt's greedy continuation by one process, alone, with no scheduler."""
+    tok = loaded.tokenizer
+    return [
+        tok.decode(list(greedy_tokens(loaded.model, tok.encode(t), max_tokens, []))) for t in texts
+    ]
+
+
+def complete_all(base: str, texts: list[str], max_tokens: int) -> list[str]:
+    """All prompts at once through the openai client, every other one streamed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = OpenAI(base_url=f"{base}/v1", api_key="none")
+    model = client.models.list().data[0].id
+
+    def complete(i: int) -> str:
+        args = dict(model=model, prompt=texts[i], max_tokens=max_tokens, temperature=0)
+        args["extra_body"] = {"ignore_eos": True}
+        if i % 2:
+            stream = client.completions.create(**args, stream=True)
+            return "".join(c.choices[0].text for c in stream if c.choices)
+        return client.completions.create(**args).choices[0].text
+
+    with ThreadPoolExecutor(len(texts)) as pool:
+        return list(pool.map(complete, range(len(texts))))
+
+
+def preemptions(base: str) -> float:
+    metrics = httpx.get(f"{base}/metrics").text
+    found = re.search(r"^llamaserve:num_preemptions_total\S* (\S+)", metrics, re.M)
+    assert found
+    return float(found.group(1))
+
+
+def test_tp2_serves_what_one_process_computes_alone(tiny, tmp_path) -> None:
+    """Six requests at once, streamed and not: 16 tokens a step prefill them in chunks, and
+    8 KV blocks per rank hold fewer than they need, so the newest are preempted."""
+    expected = alone(load_model(tiny, progress=False), TEXTS, 24)
+    flags = ["-tp", "2", "--max-num-batched-tokens", "16", "--kv-cache-memory", str(9 * 2048)]
+    with server(serve_command(str(tiny), free_port(), *flags), tmp_path / "tp2.log") as (_, base):
+        got = complete_all(base, TEXTS, 24)
+        assert preemptions(base) > 0
+    assert got == expected
+
+
+@pytest.mark.slow
+def test_tp3_on_the_default_model_serves_what_one_process_computes(ours_default, tmp_path) -> None:
+    texts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
+    expected = alone(ours_default, texts, 8)
+    flags = ["-tp", "3", "--max-num-batched-tokens", "16"]
+    with server(serve_command(None, free_port(), *flags), tmp_path / "tp3.log") as (_, base):
+        got = complete_all(base, texts, 8)
+    assert got == expected
+    log = (tmp_path / "tp3.log").read_text()
+    assert re.search(r"tensor parallel over 3 ranks: each holds 1 KV head\(s\) and \d+ KV", log)
+
+
+def test_two_nodes_serve_what_one_process_serves(tiny, tmp_path) -> None:
+    loaded = load_model(tiny, progress=False)
+    prompt = "The quick brown fox"
+    expected = alone(loaded, [prompt], 12)[0]
+    master, port = free_port(), free_port()
+    common = ["-tp", "2", "--nnodes", "2", "--master-port", str(master)]
+    node1_log = (tmp_path / "node1.log").open("wb")
+    node1 = subprocess.Popen(
+        serve_command(str(tiny), free_port(), *common, "--node-rank", "1"),
+        stdout=node1_log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        node0 = serve_command(str(tiny), port, *common, "--kv-cache-memory", str(KV_BYTES))
+        with server(node0, tmp_path / "node0.log") as (_, base):
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            got = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == expected
+        assert node1.wait(30) == 0  # told to stop by rank 0 as it shut down
+    finally:
+        node1.kill()
+        node1_log.close()
+    log = (tmp_path / "node0.log").read_text()
+    assert "each holds 1 KV head(s) and 63 KV blocks" in log  # one process: 31
+
+
+def test_killed_worker_ends_streams_with_an_error_and_the_server(tiny, tmp_path) -> None:
+    port = free_port()
+    command = serve_command(str(tiny), port, "-tp", "2", "--kv-cache-memory", str(KV_BYTES))
+    with server(command, tmp_path / "kill.log") as (proc, base):
+        workers = children(proc.pid)
+        assert workers
+        body = {"prompt": "The", "max_tokens": 240, "stream": True, "ignore_eos": True}
+        events = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line.removeprefix("data: "))
+                if len(events) == 2:
+                    for pid in workers:
+                        os.kill(pid, signal.SIGKILL)
+        assert events[-1] != "[DONE]" or any("error" in e for e in events)
+        errors = [json.loads(e) for e in events if e != "[DONE]" and "error" in json.loads(e)]
+        assert errors and "tensor-parallel worker rank 1 exited" in errors[0]["error"]["message"]
+        health = None
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and health != 503:
+            try:
+                health = httpx.get(f"{base}/health", timeout=1).status_code
+            except httpx.HTTPError:
+                break
+            time.sleep(0.1)
+        assert health == 503
+        assert proc.wait(15) == 1
+    assert not [pid for pid in workers if alive(pid)]
+    lines = (tmp_path / "kill.log").read_text().strip().splitlines()
+    assert lines[-1] == "llamaserve: tensor-parallel worker rank 1 exited (exit code -9); stopped"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["-tp", "2"], "--tensor-parallel-size 2 does not divide the model's 9 query heads"),
+        (["-tp", "2", "--nnodes", "3"], "--nnodes 3 does not divide --tensor-parallel-size 2"),
+    ],
+)
+def test_impossible_sizes_are_one_sentence(flags: list[str], message: str) -> None:
+    run = subprocess.run(
+        serve_command(None, free_port(), *flags), capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip() == f"llamaserve: {message}"
+
+
+def test_a_peer_that_never_comes_is_one_sentence(tiny) -> None:
+    flags = ["-tp", "2", "--nnodes", "2", "--master-port", str(free_port())]
+    run = subprocess.run(
+        serve_command(str(tiny), free_port(), *flags, "--distributed-timeout", "3"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2
+    last = run.stderr.strip().splitlines()[-1]
+    assert last.startswith("llamaserve: rank 0 of 2 could not meet its peers at 127.0.0.1:")
