@@ -169,6 +169,7 @@ def watch_ranks(app: FastAPI, server: uvicorn.Server) -> list[str]:
             return
         reason = group.exited_worker() or _short(reason)
         lost.append(reason)
+        group.lost = True
         logger.error("%s: stopping the server", reason)
         engine.fail(reason)
         # /health answers 503 for a moment first, so probes and routers see it go.

@@ -101,6 +101,7 @@ class TensorParallelGroup:
         self.workers = workers
         self.sender = StepSender()
         self._closing = False
+        self.lost = False  # a rank failed: no stop message, the workers are killed
 
     def watch(self, on_lost: Callable[[str], None], interval_s: float = 0.2) -> None:
         def poll() -> None:
@@ -129,7 +130,8 @@ class TensorParallelGroup:
         """Stops the workers: a stop message when they can still hear it, then signals."""
         self._closing = True
         stopped = False
-        if engine_stopped and all(p.poll() is None for p in self.workers.values()):
+        alive = all(p.poll() is None for p in self.workers.values())
+        if engine_stopped and alive and not self.lost:
             try:
                 self.sender.stop()
                 stopped = True
@@ -138,7 +140,8 @@ class TensorParallelGroup:
         if not stopped:
             for process in self.workers.values():
                 if process.poll() is None:
-                    process.terminate()
+                    # A hung worker may not heed SIGTERM: after a lost rank, no grace.
+                    process.kill() if self.lost else process.terminate()
         _reap(self.workers.values())
         close_distributed()
 

@@ -222,6 +222,28 @@ def test_killed_worker_ends_streams_with_an_error_and_the_server(tiny, tmp_path)
     assert lines[-1] == "llamaserve: tensor-parallel worker rank 1 exited (exit code -9); stopped"
 
 
+def test_hung_worker_is_a_bounded_wait(tiny, tmp_path) -> None:
+    """A stopped (SIGSTOP) worker never answers: rank 0's collective gives up after
+    --distributed-timeout, the stream ends with an error and nothing is left running."""
+    flags = ["-tp", "2", "--kv-cache-memory", str(KV_BYTES), "--distributed-timeout", "3"]
+    with server(serve_command(str(tiny), free_port(), *flags), tmp_path / "hang.log") as (
+        proc,
+        base,
+    ):
+        workers = children(proc.pid)
+        for pid in workers:
+            os.kill(pid, signal.SIGSTOP)
+        started = time.monotonic()
+        body = {"prompt": "The", "max_tokens": 8, "stream": True, "ignore_eos": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=30) as response:
+            events = [line for line in response.iter_lines() if line.startswith("data: ")]
+        data = [json.loads(e.removeprefix("data: ")) for e in events if e != "data: [DONE]"]
+        assert "Timed out" in data[-1]["error"]["message"]
+        assert proc.wait(20) == 1
+        assert time.monotonic() - started < 20
+    assert not [pid for pid in workers if alive(pid)]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
