@@ -51,7 +51,13 @@ from model.weights.gguf import (
     linear_weight_bits,
 )
 from model.weights.gguf_file import open_gguf
-from model.weights.meta import count_meta_tensors, iter_meta_weights, open_meta_checkpoint
+from model.weights.meta import (
+    count_meta_tensors,
+    files_match_ranks,
+    iter_meta_rank_weights,
+    iter_meta_weights,
+    open_meta_checkpoint,
+)
 from model.weights.safetensors import count_tensors, iter_safetensors, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -85,6 +91,7 @@ def load_model(
     the same format without talking: float32 on a CPU, bfloat16 on CUDA, unquantised."""
     started = time.perf_counter()
     path = Path(path) if path is not None else default_model_path()
+    presharded = False  # weights read as this rank's shards already
     if path.is_dir() and (path / "config.json").is_file():
         config = ModelConfig.from_hf_dir(path)
         files = safetensors_files(path)
@@ -92,6 +99,9 @@ def load_model(
         read_weights: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]] = partial(
             iter_safetensors, files
         )
+        if tp is not None:  # each rank reads only its own slices from disk
+            read_weights = partial(iter_safetensors, files, cut=tp.cut(config))
+            presharded = True
         checkpoint_bits = None
         tokenizer = tokenizer_from_hf_dir(path)
         template = ChatTemplate.from_hf_dir(path, tokenizer)
@@ -104,6 +114,9 @@ def load_model(
         )
         total = count_meta_tensors(checkpoint)
         read_weights = partial(iter_meta_weights, checkpoint, config)
+        if tp is not None and files_match_ranks(checkpoint, config, tp.size):
+            read_weights = partial(iter_meta_rank_weights, checkpoint, config, tp.rank)
+            presharded = True
         checkpoint_bits = None
         tokenizer = _meta_tokenizer(path, config)
         template = None
@@ -136,11 +149,11 @@ def load_model(
 
     if tp is not None:
         tp.check(config)
-        dtype, quantization = _same_on_every_rank(dtype, quantization, device)
+        dtype, quantization = tp.same_format_on_every_rank(dtype, quantization, device)
     fmt = _weight_format(dtype, quantization, config, device, checkpoint_bits, batch_invariant)
     # Quantised layers are filled from the checkpoint's own values, not a rounded copy.
     weights = read_weights(torch.float32 if fmt.quantization else fmt.dtype)
-    if tp is not None:
+    if tp is not None and not presharded:
         weights = tp.shard_weights(weights, config)
     model = Llama.empty(config, max_position, device, fmt.dtype, fmt.quantization, tp=tp)
     bar = tqdm(weights, total=total, desc="loading weights", unit="tensor", disable=not progress)
@@ -216,16 +229,6 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
     return None
 
 
-def _same_on_every_rank(
-    dtype: torch.dtype | str, quantization: str | None, device: str
-) -> tuple[torch.dtype | str, str | None]:
-    if dtype == "auto":
-        dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
-    if quantization in ("auto", "none"):
-        quantization = None
-    return dtype, quantization
-
-
 def _attention_backend(name: str, device: str) -> AttentionBackend:
     try:
         return attention_backend(name, device)
@@ -289,7 +292,7 @@ def load_random_model(
         )
     if tp is not None:  # each rank draws its own shard's weights, seeded by its rank
         tp.check(config)
-        dtype, quantization = _same_on_every_rank(dtype, quantization, device)
+        dtype, quantization = tp.same_format_on_every_rank(dtype, quantization, device)
         seed += tp.rank
     fmt = _weight_format(dtype, quantization, config, device, None, batch_invariant)
     model = Llama.random(

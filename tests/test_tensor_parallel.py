@@ -84,3 +84,44 @@ def _write_stub_tokenizer(path) -> None:
     from tests.tiny_models import write_tiny_tokenizer
 
     write_tiny_tokenizer(path)
+
+
+@pytest.fixture(scope="module")
+def meta_mp2(tmp_path_factory):
+    from tests.meta_reference import TINY_PARAMS, make_meta_model, save_meta_checkpoint
+
+    path = tmp_path_factory.mktemp("meta_mp2")
+    save_meta_checkpoint(make_meta_model(TINY_PARAMS), TINY_PARAMS, path, ranks=2)
+    return path
+
+
+def test_meta_rank_files_map_onto_ranks_and_no_other_file_is_read(meta_mp2) -> None:
+    """Rank 0 of 2 reads consolidated.00.pth alone, and gets exactly the shard the generic
+    cut takes from the merged checkpoint."""
+    from model.loader import checkpoint_config
+    from model.weights.meta import iter_meta_rank_weights, iter_meta_weights, open_meta_checkpoint
+
+    class Untouchable(dict):
+        def __getitem__(self, key):
+            raise AssertionError(f"rank 0 read {key} from another rank's file")
+
+        def items(self):
+            raise AssertionError("rank 0 read another rank's file")
+
+    config = checkpoint_config(meta_mp2)
+    merged = dict(iter_meta_weights(open_meta_checkpoint(meta_mp2), config, torch.float32))
+    for rank in (0, 1):
+        checkpoint = open_meta_checkpoint(meta_mp2)
+        checkpoint.shards[1 - rank] = Untouchable()
+        own = dict(iter_meta_rank_weights(checkpoint, config, rank, torch.float32))
+        assert own.keys() == merged.keys()
+        tp = TensorParallel(rank, 2)
+        for name, tensor in own.items():
+            assert torch.equal(tensor, tp.shard(name, merged[name], config)), name
+
+
+def test_tp2_on_a_two_file_meta_checkpoint_matches_one_process(meta_mp2, tmp_path) -> None:
+    single = run_ranks(str(meta_mp2), 1, tmp_path / "tp1.pt")
+    split = run_ranks(str(meta_mp2), 2, tmp_path / "tp2.pt")
+    for a, b in zip(split, single, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=TOL)

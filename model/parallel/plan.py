@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 
@@ -43,6 +45,18 @@ class TensorParallel:
                 f"--tensor-parallel-size {n} does not divide the model's FFN size {config.ffn_dim}"
             )
 
+    @staticmethod
+    def same_format_on_every_rank(
+        dtype: torch.dtype | str, quantization: str | None, device: str
+    ) -> tuple[torch.dtype | str, str | None]:
+        """ "auto" times the machine, and ranks could time differently: under tensor
+        parallelism it is float32 on a CPU, bfloat16 on CUDA, unquantised."""
+        if dtype == "auto":
+            dtype = "bfloat16" if torch.device(device).type == "cuda" else "float32"
+        if quantization in ("auto", "none"):
+            quantization = None
+        return dtype, quantization
+
     def local_config(self, config: ModelConfig) -> ModelConfig:
         """The shapes this rank's layers have; the vocabulary stays whole (the logits are)."""
         self.check(config)
@@ -66,8 +80,9 @@ class TensorParallel:
         first = self.rank * config.n_kv_heads // self.size
         return first, first + 1
 
-    def shard(self, name: str, tensor: torch.Tensor, config: ModelConfig) -> torch.Tensor:
-        """This rank's part of the HF-named tensor `name` (HF layout: [out, in])."""
+    def shard(self, name: str, tensor: Any, config: ModelConfig) -> torch.Tensor:
+        """This rank's part of the HF-named tensor `name` (HF layout: [out, in]). `tensor`
+        may also be a lazy slice that reads only what it is indexed with (safetensors')."""
         n, r, hd = self.size, self.rank, config.head_dim
         if name.endswith("self_attn.q_proj.weight"):
             per_rank = config.q_size // n
@@ -91,7 +106,11 @@ class TensorParallel:
                 pad = rows.new_zeros(end - start - rows.shape[0], rows.shape[1])
                 rows = torch.cat([rows, pad])
             return rows
-        return tensor  # norms: every rank holds them whole
+        return tensor[:]  # norms: every rank holds them whole
+
+    def cut(self, config: ModelConfig) -> Any:
+        """`shard` as a reader's per-tensor cut: (name, tensor or lazy slice) -> shard."""
+        return partial(_cut, self, config)
 
     def shard_weights(
         self, weights: Iterable[tuple[str, torch.Tensor]], config: ModelConfig
@@ -100,3 +119,7 @@ class TensorParallel:
         plus the one tensor being read."""
         for name, tensor in weights:
             yield name, self.shard(name, tensor, config).contiguous()
+
+
+def _cut(tp: TensorParallel, config: ModelConfig, name: str, tensor: Any) -> torch.Tensor:
+    return tp.shard(name, tensor, config).contiguous()

@@ -117,3 +117,35 @@ def iter_meta_weights(
         elif meta_name.endswith("attention.wk.weight"):
             weight = interleaved_to_halves(weight.contiguous(), config.n_kv_heads)
         yield name, weight
+
+
+def files_match_ranks(checkpoint: MetaCheckpoint, config: ModelConfig, size: int) -> bool:
+    """Meta's per-rank files map straight onto tensor-parallel ranks when there are as many,
+    and each rank holds whole KV heads and an even share of the vocabulary."""
+    return (
+        len(checkpoint.shards) == size
+        and config.n_kv_heads % size == 0
+        and config.vocab_size % size == 0
+    )
+
+
+def iter_meta_rank_weights(
+    checkpoint: MetaCheckpoint, config: ModelConfig, rank: int, dtype: torch.dtype
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Tensor-parallel rank `rank` of as many ranks as the checkpoint has files: Meta cut
+    every matrix where llamaserve's ranks cut it (whole heads, FFN rows and columns,
+    vocabulary rows), so the rank's tensors are its own file's, and no other file is read."""
+    ranks = len(checkpoint.shards)
+    shard = checkpoint.shards[rank]
+    for meta_name, piece in shard.items():
+        if meta_name in _IGNORED:
+            continue
+        target = hf_name(meta_name)
+        if target is None:
+            raise ModelFileError(f"{checkpoint.path}: unexpected tensor {meta_name!r}")
+        weight = piece.to(dtype)
+        if meta_name.endswith("attention.wq.weight"):
+            weight = interleaved_to_halves(weight.contiguous(), config.n_heads // ranks)
+        elif meta_name.endswith("attention.wk.weight"):
+            weight = interleaved_to_halves(weight.contiguous(), config.n_kv_heads // ranks)
+        yield target[0], weight

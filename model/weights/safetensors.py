@@ -5,8 +5,9 @@ It yields tensors one at a time and never holds the whole checkpoint in memory.
 """
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -47,8 +48,15 @@ def count_tensors(files: list[Path]) -> int:
     return total
 
 
-def iter_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    files: list[Path],
+    dtype: torch.dtype,
+    cut: Callable[[str, Any], torch.Tensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """cut(name, lazy_slice): reads only part of each tensor (a tensor-parallel rank's
+    shard), by indexing safetensors' lazy slice, so the rest is never read from disk."""
     for file in files:
         with _open(file) as f:
             for name in f.keys():
-                yield name, f.get_tensor(name).to(dtype)
+                tensor = cut(name, f.get_slice(name)) if cut else f.get_tensor(name)
+                yield name, tensor.to(dtype)
