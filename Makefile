@@ -3,9 +3,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
+ROUTER ?= vllm-router==0.1.17
 ARGS   ?=
 
-.PHONY: install serve test test-gpu lint format bench bench-engine bench-gpu clean
+.PHONY: install serve test test-gpu replicas lint format bench bench-engine bench-gpu clean
 
 install: $(STAMP)
 
@@ -23,8 +24,22 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/llamaserve serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(ROUTER_STAMP)
 	$(PY) -m pytest -x -q $(ARGS)
+
+# vllm-router (a Rust router behind a Python launcher) in an environment of its own: its
+# pinned web dependencies stay out of the server's. Tests drive the real binary.
+ROUTER_VENV  := .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
+
+$(ROUTER_STAMP):
+	test -x $(ROUTER_VENV)/bin/python || python3 -m venv $(ROUTER_VENV)
+	$(ROUTER_VENV)/bin/python -m pip install -q "$(ROUTER)"
+	touch $(ROUTER_STAMP)
+
+# N replicas and the router on loopback: make replicas ARGS="--replicas 3 -- --dtype float32"
+replicas: $(STAMP) $(ROUTER_STAMP)
+	$(PY) deploy/local_replicas.py $(ARGS)
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (with triton) installed system-wide:
 # a second environment that sees that torch instead of installing the CPU one.
@@ -63,4 +78,4 @@ bench-engine: $(STAMP)
 	$(PY) -m bench.engine_bench --num-requests 64 --concurrency 32 --prompt-len 128 --max-tokens 64 $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(GPU_VENV) $(ROUTER_VENV) .pytest_cache .ruff_cache .hypothesis

@@ -25,6 +25,7 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from server.routing import add_routing_endpoints
 from server.state import ServerState
 
 
@@ -121,4 +122,5 @@ def build_app(
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
+    add_routing_endpoints(app, state, guarded, check_model)
     return app
