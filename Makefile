@@ -4,6 +4,8 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 TORCH  ?= torch==2.13.0
 ROUTER ?= vllm-router==0.1.17
+ROUTER_VENV  := .venv-router
+ROUTER_STAMP := $(ROUTER_VENV)/.installed
 ARGS   ?=
 
 .PHONY: install serve test test-gpu replicas lint format bench bench-engine bench-gpu clean
@@ -29,9 +31,6 @@ test: $(STAMP) $(ROUTER_STAMP)
 
 # vllm-router (a Rust router behind a Python launcher) in an environment of its own: its
 # pinned web dependencies stay out of the server's. Tests drive the real binary.
-ROUTER_VENV  := .venv-router
-ROUTER_STAMP := $(ROUTER_VENV)/.installed
-
 $(ROUTER_STAMP):
 	test -x $(ROUTER_VENV)/bin/python || python3 -m venv $(ROUTER_VENV)
 	$(ROUTER_VENV)/bin/python -m pip install -q "$(ROUTER)"
