@@ -8,7 +8,7 @@ ROUTER_VENV  := .venv-router
 ROUTER_STAMP := $(ROUTER_VENV)/.installed
 ARGS   ?=
 
-.PHONY: install serve test test-gpu replicas lint format bench bench-engine bench-gpu clean
+.PHONY: install serve test test-gpu replicas lint format bench bench-engine bench-gpu bench-replicas clean
 
 install: $(STAMP)
 
@@ -72,6 +72,10 @@ format: $(STAMP)
 # (10-20 minutes, cached in ~/.cache/llamaserve). Run it on an otherwise idle machine.
 bench: $(STAMP)
 	$(PY) -m bench.serve_bench $(ARGS)
+
+# Two replicas of one thread behind the router against one replica of two threads.
+bench-replicas: $(STAMP) $(ROUTER_STAMP)
+	$(PY) -m bench.replica_bench $(ARGS)
 
 bench-engine: $(STAMP)
 	$(PY) -m bench.engine_bench --num-requests 64 --concurrency 32 --prompt-len 128 --max-tokens 64 $(ARGS)
