@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from model.attention.kernels import MIN_DOT, next_power_of_2
+from model.attention.kernels.online_softmax import attend_block
 
 
 @triton.jit
@@ -76,17 +77,10 @@ def _decode_split_kernel(
         cache_offsets = (
             block * stride_cb + offsets[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
         )
-        k = tl.load(k_cache_ptr + cache_offsets, mask=dim_ok[None, :], other=0.0)
-        scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale
-        positions = b * BLOCK_SIZE + offsets
-        scores = tl.where((positions < seq_len)[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, 1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, 1)
-        v = tl.load(v_cache_ptr + cache_offsets, mask=dim_ok[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
+        allowed = (b * BLOCK_SIZE + offsets < seq_len)[None, :]
+        m, denom, acc = attend_block(
+            q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
+        )
 
     out = acc / tl.maximum(denom, 1e-30)[:, None]  # an empty split has acc = 0
     store_mask = head_ok[:, None] & dim_ok[None, :]

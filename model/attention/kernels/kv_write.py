@@ -5,6 +5,7 @@ import torch
 import triton
 import triton.language as tl
 
+from model.attention.base import write_kv
 from model.attention.kernels import next_power_of_2
 
 
@@ -75,15 +76,5 @@ def kv_write(
     )
 
 
-def kv_write_reference(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """The twin: one indexed copy per cache."""
-    block_size = k_cache.shape[1]
-    blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    k_cache[blocks, offsets] = k.to(k_cache.dtype)
-    v_cache[blocks, offsets] = v.to(v_cache.dtype)
+# The twin is the reference backend's own write (model/attention/base.py).
+kv_write_reference = write_kv

@@ -1,0 +1,24 @@
+"""The step both attention kernels repeat for every KV block: scores of the query tile
+against the block's keys, then the online-softmax update of the running maximum, the
+denominator and the weighted sum of values (all fp32), so a context of any length is
+attended to in one pass without holding its scores."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_block(q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc):
+    """q: [M, D] tile; cache_offsets: [BLOCK_SIZE, D] of the block's K/V for this KV head;
+    allowed: [M, BLOCK_SIZE] which keys each query may see. Returns the updated (m, denom,
+    acc). Every row must see at least one key in its first block, or its maximum stays -inf."""
+    k = tl.load(k_cache_ptr + cache_offsets, mask=dim_ok[None, :], other=0.0)
+    scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale
+    scores = tl.where(allowed, scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, 1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, 1)
+    v = tl.load(v_cache_ptr + cache_offsets, mask=dim_ok[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    return m_new, denom, acc
