@@ -38,7 +38,7 @@ $(ROUTER_STAMP):
 
 # N replicas and the router on loopback: make replicas ARGS="--replicas 3 -- --dtype float32"
 replicas: $(STAMP) $(ROUTER_STAMP)
-	$(PY) deploy/local_replicas.py $(ARGS)
+	$(PY) -m bench.fleet $(ARGS)
 
 # On a machine with an NVIDIA GPU and a CUDA build of torch (with triton) installed system-wide:
 # a second environment that sees that torch instead of installing the CPU one.

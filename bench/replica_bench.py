@@ -20,8 +20,6 @@ from bench.loadgen import RunStats, run_closed_loop
 from bench.serve_bench import SCENARIOS, Scenario, cpu_description, make_prompts
 from bench.servers import free_port, llamaserve_command, running
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def tree_peak_rss(pid: int) -> int:
     """Sum of the peak resident memory of a process and all its descendants."""
@@ -48,7 +46,7 @@ def run(scenario: Scenario, prompts: list[list[int]], model: Path, extra: list[s
         results["1 x 2 threads"] = (stats, tree_peak_rss(server.process.pid))
     port = free_port()
     fleet = [
-        sys.executable, str(ROOT / "deploy" / "local_replicas.py"), "--port", str(port),
+        sys.executable, "-m", "bench.fleet", "--port", str(port),
         "--replicas", "2", "--threads", "1", "--policy", "power_of_two", "--", str(model), *extra,
     ]  # fmt: skip
     with running("fleet", fleet, port) as server:

@@ -99,21 +99,51 @@ def llama_server_command(binary: Path, model: Path, port: int, threads: int) -> 
 
 
 @contextmanager
-def running(name: str, command: list[str], port: int) -> Iterator[RunningServer]:
-    log_dir = PEER_CACHE / "logs"
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = (log_dir / f"{name}.log").open("wb")  # read it when a server will not start
-    process = subprocess.Popen(command, stdout=log, stderr=log, start_new_session=True)
-    base_url = f"http://127.0.0.1:{port}"
+def running(
+    name: str, command: list[str], port: int, log_path: Path | None = None
+) -> Iterator[RunningServer]:
+    """A server process on loopback, healthy, stopped (with its process group) on exit.
+    Its output goes to `log_path`, by default a file named after it in the bench cache."""
+    with running_all([(name, command, port, log_path)]) as (server,):
+        yield server
+
+
+@contextmanager
+def running_all(
+    specs: list[tuple[str, list[str], int, Path | None]],
+) -> Iterator[list[RunningServer]]:
+    """Several servers started at once (their start-ups overlap), each waited for."""
+    logs, processes = [], []
     try:
-        wait_healthy(base_url, process)
-        yield RunningServer(name, base_url, process)
+        for name, command, _, log_path in specs:
+            if log_path is None:
+                log_dir = PEER_CACHE / "logs"
+                log_dir.mkdir(parents=True, exist_ok=True)
+                log_path = log_dir / f"{name}.log"
+            logs.append((log_path, log_path.open("wb")))
+            out = logs[-1][1]
+            processes.append(
+                subprocess.Popen(command, stdout=out, stderr=out, start_new_session=True)
+            )
+        servers = []
+        for (name, _, port, _), process, (log_path, _) in zip(specs, processes, logs, strict=True):
+            base_url = f"http://127.0.0.1:{port}"
+            try:
+                wait_healthy(base_url, process)
+            except RuntimeError as exc:
+                tail = log_path.read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"{exc}; the end of {log_path}:\n{tail}") from None
+            servers.append(RunningServer(name, base_url, process))
+        yield servers
     finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
+            if process.poll() is None:
+                os.killpg(process.pid, signal.SIGTERM)
+        for process in processes:
             try:
                 process.wait(30)
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-        log.close()
+        for _, log in logs:
+            log.close()

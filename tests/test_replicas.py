@@ -2,7 +2,7 @@
 several fit on two cores) behind the `vllm-router` binary from PyPI (`make test` installs
 it into .venv-router), all real processes on loopback ports.
 
-- `deploy/local_replicas.py` (make replicas): 64 concurrent streams through the router
+- `bench/fleet.py` (make replicas): 64 concurrent streams through the router
   all complete, and both replicas served some, by their own metrics;
 - cache-aware routing keeps a conversation on the replica that holds its prefix: the
   fleet's prefix-cache hit rate, from our metrics, is at least twice round-robin's;
@@ -17,18 +17,18 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.fleet import ROUTER, router_command
+from bench.servers import running, running_all
 from tests.test_tensor_parallel import free_port
 from tests.test_tensor_parallel_server import children, serve_command, server
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
-ROUTER = ROOT / ".venv-router" / "bin" / "vllm-router"
 
 pytestmark = pytest.mark.skipif(
     not ROUTER.exists() and os.environ.get("CI") != "true",
@@ -54,42 +54,22 @@ def metric(base: str, name: str) -> float:
 
 @contextmanager
 def router(workers: list[str], policy: str, log: Path):
-    port, metrics_port = free_port(), free_port()
-    command = [
-        str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
-        "--worker-urls", *workers, "--prometheus-host", "127.0.0.1",
-        "--prometheus-port", str(metrics_port), "--health-check-interval-secs", "1",
-        "--health-failure-threshold", "2", "--health-success-threshold", "1",
-    ]  # fmt: skip
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(f"{base}/v1/models", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        yield base
-    finally:
-        proc.terminate()
-        proc.wait(10)
+    port = free_port()
+    command = router_command(port, workers, policy, free_port(), health_interval_s=1)
+    with running("router", command, port, log) as started:
+        yield started.base_url
 
 
 @contextmanager
 def replicas(tiny: Path, count: int, tmp_path: Path, *flags: str):
-    with ExitStack() as stack:
-        started = [
-            stack.enter_context(
-                server(serve_command(str(tiny), free_port(), *flags), tmp_path / f"replica{i}.log")
-            )
-            for i in range(count)
-        ]
-        yield started
+    """`count` replicas started together; yields (process, base URL) of each."""
+    ports = [free_port() for _ in range(count)]
+    specs = [
+        (f"replica{i}", serve_command(str(tiny), port, *flags), port, tmp_path / f"replica{i}.log")
+        for i, port in enumerate(ports)
+    ]
+    with running_all(specs) as servers:
+        yield [(server.process, server.base_url) for server in servers]
 
 
 async def stream(client: httpx.AsyncClient, base: str, prompt: str, max_tokens: int) -> dict:
@@ -125,7 +105,7 @@ def distinct_prompt(i: int) -> str:
 def test_make_replicas_serves_64_concurrent_streams_over_both(tiny, tmp_path) -> None:
     port = free_port()
     log = (tmp_path / "fleet.log").open("wb")
-    command = [sys.executable, str(ROOT / "deploy" / "local_replicas.py"), "--port", str(port)]
+    command = [sys.executable, "-m", "bench.fleet", "--port", str(port)]
     launcher = subprocess.Popen(
         [*command, "--replicas", "2", "--", str(tiny), "--dtype", "float32"],
         stdout=log,
@@ -189,74 +169,72 @@ def test_cache_aware_routing_keeps_prefixes_together(tiny, tmp_path) -> None:
     assert rates["cache_aware"] > 0.3, rates
 
 
-def test_killed_replica_is_routed_around_and_rejoins(tiny, tmp_path) -> None:
-    flags = ("--dtype", "float32")
+async def streams(base: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    async with httpx.AsyncClient(timeout=60) as client:
+        return await asyncio.gather(*(stream(client, base, p, max_tokens) for p in prompts))
+
+
+async def while_streaming(base: str, busy: str, act, count: int = 6) -> list[dict]:
+    """Starts `count` long streams through the router, runs `act()` once replica `busy`
+    is generating, and returns how each stream ended."""
+    async with httpx.AsyncClient(timeout=60) as client:
+        jobs = [
+            asyncio.create_task(stream(client, base, distinct_prompt(i), 200)) for i in range(count)
+        ]
+        while metric(busy, "num_requests_running") == 0:
+            await asyncio.sleep(0.05)
+        act()
+        return await asyncio.gather(*jobs)
+
+
+def test_a_killed_replica_is_routed_around_rejoins_and_drains_on_sigterm(tiny, tmp_path) -> None:
+    flags = ("--dtype", "float32", "--shutdown-grace", "30")
     with replicas(tiny, 2, tmp_path, *flags) as fleet:
         (victim, victim_base), (_, survivor_base) = fleet
         with router([victim_base, survivor_base], "round_robin", tmp_path / "router.log") as front:
-
-            async def run_with_kill() -> list[dict]:
-                async with httpx.AsyncClient(timeout=60) as client:
-                    jobs = [
-                        asyncio.create_task(stream(client, front, f"The lazy dog {i}", 200))
-                        for i in range(8)
-                    ]
-                    while metric(victim_base, "num_requests_running") == 0:
-                        await asyncio.sleep(0.05)
-                    for pid in [victim.pid, *children(victim.pid)]:
-                        os.kill(pid, signal.SIGKILL)
-                    return await asyncio.gather(*jobs)
+            # SIGKILL mid-stream: the streams it held end with an error, none hangs.
+            def kill() -> None:
+                for pid in [victim.pid, *children(victim.pid)]:
+                    os.kill(pid, signal.SIGKILL)
 
             started = time.monotonic()
-            in_flight = asyncio.run(run_with_kill())
-            assert time.monotonic() - started < 60  # none hangs
-            assert any(r["error"] for r in in_flight)  # those on the killed replica
+            in_flight = asyncio.run(while_streaming(front, victim_base, kill))
+            assert time.monotonic() - started < 60
+            assert any(r["error"] for r in in_flight)
             assert all(r["error"] or r["finish"] == "length" for r in in_flight)
-            time.sleep(4)  # two failed health checks take it out of the rotation
+
+            # Two failed health checks later it is out of the rotation: all succeed elsewhere.
+            time.sleep(3)
             before = metric(survivor_base, "request_success_total")
-
-            async def after_kill() -> list[dict]:
-                async with httpx.AsyncClient(timeout=60) as client:
-                    return await asyncio.gather(
-                        *(stream(client, front, f"after {i}", 8) for i in range(16))
-                    )
-
-            assert [r["error"] for r in asyncio.run(after_kill())] == [None] * 16
+            after = asyncio.run(streams(front, [f"after {i}" for i in range(16)], 8))
+            assert [r["error"] for r in after] == [None] * 16
             assert metric(survivor_base, "request_success_total") - before == 16
 
+            # Back on its port, it receives traffic again after one passed check.
             port = int(victim_base.rsplit(":", 1)[1])
-            command = serve_command(str(tiny), port, *flags)
-            with server(command, tmp_path / "rejoined.log") as (_, rejoined):
-                time.sleep(3)  # a passed health check brings it back
-                results = asyncio.run(after_kill())
-                assert [r["error"] for r in results] == [None] * 16
-                assert metric(rejoined, "request_success_total") > 0
+            with server(serve_command(str(tiny), port, *flags), tmp_path / "back.log") as (
+                back,
+                back_base,
+            ):
+                time.sleep(2)
+                again = asyncio.run(streams(front, [f"again {i}" for i in range(16)], 8))
+                assert [r["error"] for r in again] == [None] * 16
+                assert metric(back_base, "request_success_total") > 0
 
+                # SIGTERM drains it: its streams finish, new requests go to the other one.
+                before = metric(survivor_base, "request_success_total")
+                late: list[dict] = []
 
-def test_sigtermed_replica_drains_while_new_requests_go_elsewhere(tiny, tmp_path) -> None:
-    with replicas(tiny, 2, tmp_path, "--dtype", "float32", "--shutdown-grace", "30") as fleet:
-        (draining, draining_base), (_, other_base) = fleet
-        with router([draining_base, other_base], "round_robin", tmp_path / "router.log") as front:
+                def terminate() -> None:
+                    back.send_signal(signal.SIGTERM)
+                    time.sleep(0.5)
+                    prompts = [f"new {i}" for i in range(8)]
+                    with ThreadPoolExecutor(1) as pool:
+                        late.extend(pool.submit(asyncio.run, streams(front, prompts, 8)).result())
 
-            async def run() -> tuple[list[dict], list[dict]]:
-                async with httpx.AsyncClient(timeout=60) as client:
-                    old = [
-                        asyncio.create_task(stream(client, front, f"old {i}", 200))
-                        for i in range(6)
-                    ]
-                    while metric(draining_base, "num_requests_running") == 0:
-                        await asyncio.sleep(0.05)
-                    draining.send_signal(signal.SIGTERM)
-                    await asyncio.sleep(0.5)
-                    new = await asyncio.gather(
-                        *(stream(client, front, f"new {i}", 8) for i in range(8))
-                    )
-                    return await asyncio.gather(*old), new
-
-            before = metric(other_base, "request_success_total")
-            old, new = asyncio.run(run())
-            assert [r["error"] for r in old] == [None] * 6
-            assert all(r["finish"] == "length" for r in old)
-            assert [r["error"] for r in new] == [None] * 8
-            assert metric(other_base, "request_success_total") - before >= 8
-            assert draining.wait(30) == 0
+                draining = asyncio.run(while_streaming(front, back_base, terminate))
+                assert [r["error"] for r in draining] == [None] * 6
+                assert all(r["finish"] == "length" for r in draining)
+                assert [r["error"] for r in late] == [None] * 8
+                assert metric(survivor_base, "request_success_total") - before >= 8
+                assert back.wait(30) == 0

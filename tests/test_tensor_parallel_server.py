@@ -24,6 +24,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
+from bench.servers import running
 from model.greedy import greedy_tokens
 from model.loader import load_model
 from tests.test_tensor_parallel import free_port
@@ -51,32 +52,11 @@ def serve_command(model: str | None, port: int, *flags: str) -> list[str]:
 
 
 @contextmanager
-def server(command: list[str], log: Path, timeout_s: float = 240):
+def server(command: list[str], log: Path):
+    """A real server process on the command's --port, healthy; stopped on exit."""
     port = int(command[command.index("--port") + 1])
-    with log.open("wb") as out:
-        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, log.read_text()[-3000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        else:
-            raise AssertionError(f"server did not start: {log.read_text()[-3000:]}")
-        yield proc, base
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+    with running(log.stem, command, port, log) as started:
+        yield started.process, started.base_url
 
 
 def children(pid: int) -> list[int]:
@@ -151,6 +131,11 @@ def test_tp2_serves_what_one_process_computes_alone(tiny, tmp_path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    os.environ.get("LLAMASERVE_TP_DEFAULT_MODEL") != "1",
+    reason="covered by the -tp 3 logits test and the -tp 2 server test; "
+    "LLAMASERVE_TP_DEFAULT_MODEL=1 runs it (a minute on two cores)",
+)
 def test_tp3_on_the_default_model_serves_what_one_process_computes(ours_default, tmp_path) -> None:
     texts = ["The capital of France is", "def fibonacci(n):", "Water boils at"]
     expected = alone(ours_default, texts, 8)

@@ -1,7 +1,7 @@
 """N llamaserve replicas and vllm-router in front of them, on loopback ports: the quickest
 way to try a fleet on one machine (`make replicas`).
 
-    python deploy/local_replicas.py --replicas 2 --port 8000 --threads 1 [-- serve flags]
+    python -m bench.fleet --replicas 2 --port 8000 --threads 1 [-- serve flags]
 
 Replica i listens on port + i, the router on `port` (its Prometheus metrics on port + 100).
 Ctrl-C or SIGTERM stops the router first, then drains the replicas. On one machine the
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-import httpx
+from bench.servers import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 ROUTER = ROOT / ".venv-router" / "bin" / "vllm-router"
@@ -31,28 +31,18 @@ def replica_command(port: int, threads: int, serve_args: list[str]) -> list[str]
     ]  # fmt: skip
 
 
-def router_command(port: int, workers: list[str], policy: str, metrics_port: int) -> list[str]:
+def router_command(
+    port: int, workers: list[str], policy: str, metrics_port: int, health_interval_s: int = 2
+) -> list[str]:
     return [
         str(ROUTER), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
         "--worker-urls", *workers, "--prometheus-host", "127.0.0.1",
         "--prometheus-port", str(metrics_port),
-        # A replica that stops answering leaves the rotation after two failed checks.
-        "--health-check-interval-secs", "2", "--health-failure-threshold", "2",
+        # A replica that stops answering leaves the rotation after two failed checks, and
+        # one that answers again rejoins after one.
+        "--health-check-interval-secs", str(health_interval_s),
+        "--health-failure-threshold", "2", "--health-success-threshold", "1",
     ]  # fmt: skip
-
-
-def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"{url}: exited with code {process.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise SystemExit(f"{url}: not healthy after {timeout_s:.0f} s")
 
 
 def main(argv: list[str] | None = None) -> int:
