@@ -2,7 +2,12 @@
 scrapes a live llamaserve every second while streaming clients load it, then every PromQL
 expression of the dashboard (read from the JSON, variables filled in as Grafana would) is
 evaluated through Prometheus's HTTP API and must return data. The values Prometheus
-stored are checked against what the clients saw."""
+stored are checked against what the clients saw.
+
+The router row reads vllm-router's own metrics, which one server cannot produce: its
+queries run against a second Prometheus that scrapes two live replicas and the real
+`vllm-router` binary in front of them (skipped where `.venv-router/bin/vllm-router` is not
+installed), with one replica stopped halfway so that retries and failures show too."""
 
 import asyncio
 import json
@@ -14,6 +19,7 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,7 +29,9 @@ import pytest
 
 from tests.live_server import LiveServer, running_server
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "deploy" / "grafana" / "llamaserve.json"
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy" / "grafana" / "llamaserve.json"
+ROUTER_BINARY = ROOT / ".venv-router" / "bin" / "vllm-router"
 MODEL = "dashboard-model"
 RATE_INTERVAL = "10s"  # what $__rate_interval becomes: ten 1 s scrapes
 SHARED_PREFIX = "You are a helpful assistant who answers in one short paragraph. " * 3
@@ -32,6 +40,7 @@ SHARED_PREFIX = "You are a helpful assistant who answers in one short paragraph.
 @dataclass
 class Load:
     live: LiveServer
+    instance: str  # the server's `instance` label: HOST:PORT
     prometheus: str  # http://127.0.0.1:PORT
     started: float  # unix time, before the first request
     idle_at: float  # unix time, once /metrics said the engine was idle again
@@ -107,44 +116,65 @@ async def send_load(base_url: str) -> tuple[int, int, int]:
     return sum(c for c, _ in results), sum(p for _, p in results), len(results)
 
 
+@contextmanager
+def running_prometheus(workdir: Path, jobs: dict[str, list[str]]) -> Iterator[str]:
+    """The Debian Prometheus scraping every target of `jobs` (job name -> HOST:PORT list)
+    each second; yields its URL once it has scraped all of them."""
+    binary = prometheus_binary()
+    config = workdir / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+        + "".join(
+            f"  - job_name: {job}\n    static_configs:\n      - targets: {json.dumps(targets)}\n"
+            for job, targets in jobs.items()
+        )
+    )
+    port = free_port()
+    log = (workdir / "prometheus.log").open("w")
+    process = subprocess.Popen(
+        [
+            binary,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    prometheus = f"http://127.0.0.1:{port}"
+    num_targets = sum(len(t) for t in jobs.values())
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # ready, and has scraped every target at least once
+            try:
+                if len(query(prometheus, "query", query="up == 1")["result"]) == num_targets:
+                    break
+            except (httpx.HTTPError, ValueError):
+                pass
+            assert process.poll() is None, (workdir / "prometheus.log").read_text()
+            assert time.monotonic() < deadline, "Prometheus never scraped every target"
+            time.sleep(0.2)
+        yield prometheus
+    finally:
+        stop(process)
+        log.close()
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @pytest.fixture(scope="module")
 def load(ours_default, tmp_path_factory) -> Iterator[Load]:
-    binary = prometheus_binary()
     workdir = tmp_path_factory.mktemp("prometheus")
     with running_server(ours_default, served_model_name=[MODEL]) as live:
         target = live.base_url.removeprefix("http://")
-        config = workdir / "prometheus.yml"
-        config.write_text(
-            "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n"
-            "scrape_configs:\n  - job_name: llamaserve\n"
-            f"    static_configs:\n      - targets: ['{target}']\n"
-        )
-        port = free_port()
-        log = (workdir / "prometheus.log").open("w")
-        process = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-            ],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-        prometheus = f"http://127.0.0.1:{port}"
-        try:
-            deadline = time.monotonic() + 60
-            while True:  # ready, and has scraped the server at least once
-                try:
-                    result = query(prometheus, "query", query='up{job="llamaserve"} == 1')
-                    if result["result"]:
-                        break
-                except (httpx.HTTPError, ValueError):
-                    pass
-                assert process.poll() is None, (workdir / "prometheus.log").read_text()
-                assert time.monotonic() < deadline, "Prometheus never scraped the server"
-                time.sleep(0.2)
-
+        with running_prometheus(workdir, {"llamaserve": [target]}) as prometheus:
             started = time.time()
             completion_tokens, prompt_tokens, num_requests = asyncio.run(send_load(live.v1))
             deadline = time.monotonic() + 30
@@ -160,34 +190,147 @@ def load(ours_default, tmp_path_factory) -> Iterator[Load]:
                 assert time.monotonic() < deadline, "Prometheus stopped scraping"
                 time.sleep(0.2)
             yield Load(
-                live, prometheus, started, idle_at, completion_tokens, prompt_tokens, num_requests
+                live,
+                target,
+                prometheus,
+                started,
+                idle_at,
+                completion_tokens,
+                prompt_tokens,
+                num_requests,
             )
-        finally:
-            process.terminate()
-            try:
-                process.wait(10)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-            log.close()
 
 
-def dashboard_exprs() -> list[tuple[str, str]]:
-    """(panel title, PromQL) of every target of every panel, rows' panels included."""
-    panels = list(json.loads(DASHBOARD.read_text())["panels"])
-    exprs = []
-    while panels:
-        panel = panels.pop()
-        panels += panel.get("panels", [])
-        exprs += [(panel["title"], t["expr"]) for t in panel.get("targets", [])]
-    return exprs
+@dataclass
+class Fleet:
+    instances: list[str]  # HOST:PORT of both replicas
+    prometheus: str
+    started: float
+    ended: float
+    router_metrics: str  # the router's /metrics text at the end
 
 
-def fill_variables(expr: str) -> str:
-    """Grafana's substitution of the variables a panel query may use; an unknown variable
-    is an error, so a panel that depends on one nobody defines fails here."""
+async def send_through_router(base_url: str, prompts: list[str]) -> list[BaseException | None]:
+    """Streaming completions through the router, all at once; what each one raised."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+    async def one(prompt: str) -> None:
+        stream = await client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True
+        )
+        async for _ in stream:
+            pass
+
+    results = await asyncio.gather(*(one(p) for p in prompts), return_exceptions=True)
+    await client.close()
+    return list(results)
+
+
+def wait_ok(url: str, process: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        assert process.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"{url} never answered 200:\n{log.read_text()}"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def fleet(ours_default, tmp_path_factory) -> Iterator[Fleet]:
+    """Two replicas behind vllm-router (cache-aware, as deployed), all three scraped. Traffic
+    in two phases: both replicas up, then one stopped while the router still counts it
+    healthy (its health checks run once a minute), so some attempts fail and are retried."""
+    if not ROUTER_BINARY.exists():
+        pytest.skip(f"{ROUTER_BINARY} is missing (`make test` or `make replicas` installs it)")
+    workdir = tmp_path_factory.mktemp("fleet")
+    with ExitStack() as stack:
+        survivor = stack.enter_context(running_server(ours_default, served_model_name=[MODEL]))
+        stopping = ExitStack()
+        stack.callback(stopping.close)
+        victim = stopping.enter_context(running_server(ours_default, served_model_name=[MODEL]))
+        replicas = [survivor, victim]
+        port, metrics_port = free_port(), free_port()
+        log_path = workdir / "router.log"
+        log = stack.enter_context(log_path.open("w"))
+        router = subprocess.Popen(
+            [
+                str(ROUTER_BINARY),
+                "--host=127.0.0.1",
+                f"--port={port}",
+                "--policy=cache_aware",
+                "--worker-urls",
+                *(r.base_url for r in replicas),
+                "--prometheus-host=127.0.0.1",
+                f"--prometheus-port={metrics_port}",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        stack.callback(stop, router)
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ok(f"{base_url}/readiness", router, log_path)
+        metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        wait_ok(metrics_url, router, log_path)
+        instances = [r.base_url.removeprefix("http://") for r in replicas]
+        jobs = {"llamaserve": instances, "vllm-router": [f"127.0.0.1:{metrics_port}"]}
+        prometheus = stack.enter_context(running_prometheus(workdir, jobs))
+
+        started = time.time()
+        prompts = [f"Conversation {i}: {SHARED_PREFIX} Name a colour." for i in range(8)]
+        errors = asyncio.run(send_through_router(f"{base_url}/v1", prompts))
+        assert errors == [None] * len(prompts), errors
+        missing = httpx.post(
+            f"{base_url}/v1/completions",
+            json={"model": "no-such-model", "prompt": "hi", "max_tokens": 1},
+            timeout=30,
+        )
+        assert missing.status_code == 404, missing.text
+        stopping.close()  # the second replica goes away; the router has not noticed yet
+        prompts = [f"Question {i} on another topic: name a fruit." for i in range(8)]
+        asyncio.run(send_through_router(f"{base_url}/v1", prompts))
+        time.sleep(3)  # a few scrapes of the state after the failures
+        ended = time.time()
+        yield Fleet(instances, prometheus, started, ended, httpx.get(metrics_url).text)
+
+
+def panels() -> list[dict]:
+    """Every panel of the dashboard, rows' own panels included, rows themselves too."""
+    todo, found = list(json.loads(DASHBOARD.read_text())["panels"]), []
+    while todo:
+        panel = todo.pop(0)
+        todo += panel.get("panels", [])
+        found.append(panel)
+    return found
+
+
+def needs_router(expr: str) -> bool:
+    """vllm-router's metrics all carry this prefix; one llamaserve server cannot make them."""
+    return "vllm_router_" in expr
+
+
+def dashboard_exprs(router: bool = False) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of every panel: those that read llamaserve's
+    metrics, or with `router` those that read vllm-router's."""
+    return [
+        (panel["title"], t["expr"])
+        for panel in panels()
+        for t in panel.get("targets", [])
+        if needs_router(t["expr"]) == router
+    ]
+
+
+def fill_variables(expr: str, instances: list[str]) -> str:
+    """Grafana's substitution of the variables a panel query may use (a multi-value one as
+    the regex alternation Grafana makes of it); an unknown variable is an error, so a panel
+    that depends on one nobody defines fails here."""
     values = {
         "model_name": MODEL,
+        # Regex-escaped, then escaped again for the PromQL string, as Grafana does.
+        "instance": "|".join(re.escape(i).replace("\\", "\\\\") for i in instances),
         "__rate_interval": RATE_INTERVAL,
         "__interval": "1s",
         "__range": "5m",
@@ -205,24 +348,60 @@ def fill_variables(expr: str) -> str:
 def test_dashboard_has_queries():
     exprs = dashboard_exprs()
     assert len(exprs) >= 15
-    assert all('model_name=~"$model_name"' in e for _, e in exprs)
+    for _, expr in exprs:
+        assert 'model_name=~"$model_name"' in expr and 'instance=~"$instance"' in expr, expr
+    assert len(dashboard_exprs(router=True)) >= 5
+
+
+def query_range(prometheus: str, title: str, expr: str, start: float, end: float) -> list:
+    data = query(prometheus, "query_range", query=expr, start=start - 2, end=end + 2, step="1s")
+    series = data["result"]
+    assert series, f"panel {title!r}: no series for {expr}"
+    values = [float(v) for s in series for _, v in s["values"]]
+    assert any(math.isfinite(v) for v in values), f"panel {title!r}: only NaN for {expr}"
+    return series
 
 
 @pytest.mark.parametrize("title, expr", dashboard_exprs(), ids=lambda v: str(v)[:60])
 def test_every_panel_query_returns_data(load, title, expr):
-    concrete = fill_variables(expr)
-    data = query(
-        load.prometheus,
-        "query_range",
-        query=concrete,
-        start=load.started - 2,
-        end=load.idle_at + 2,
-        step="1s",
-    )
-    series = data["result"]
-    assert series, f"panel {title!r}: no series for {concrete}"
-    values = [float(v) for s in series for _, v in s["values"]]
-    assert any(math.isfinite(v) for v in values), f"panel {title!r}: only NaN for {concrete}"
+    concrete = fill_variables(expr, [load.instance])
+    query_range(load.prometheus, title, concrete, load.started, load.idle_at)
+
+
+@pytest.mark.parametrize("title, expr", dashboard_exprs(router=True), ids=lambda v: str(v)[:60])
+def test_every_router_panel_query_returns_data(fleet, title, expr):
+    query_range(fleet.prometheus, title, fill_variables(expr, []), fleet.started, fleet.ended)
+
+
+def test_router_panels_use_metrics_the_router_exports(fleet):
+    exported = {
+        line.split("{")[0].split(" ")[0]
+        for line in fleet.router_metrics.splitlines()
+        if line.startswith("vllm_router_")
+    }
+    used = {m for _, e in dashboard_exprs(router=True) for m in re.findall(r"vllm_router_\w+", e)}
+    assert used <= exported, f"not exported by vllm-router: {used - exported}"
+
+
+def test_per_instance_panels_show_every_replica(fleet):
+    """With Instance = All, each per-instance panel draws one series per replica."""
+    per_instance = [(title, e) for title, e in dashboard_exprs() if "by (instance" in e]
+    assert len(per_instance) >= 5
+    for title, expr in per_instance:
+        concrete = fill_variables(expr, fleet.instances)
+        series = query_range(fleet.prometheus, title, concrete, fleet.started, fleet.ended)
+        assert {s["metric"]["instance"] for s in series} == set(fleet.instances), title
+
+
+def test_instance_variable_lists_the_server(load):
+    templating = json.loads(DASHBOARD.read_text())["templating"]["list"]
+    variable = next(v for v in templating if v["name"] == "instance")
+    match = re.fullmatch(r"label_values\((.+),\s*(\w+)\)", variable["definition"])
+    assert match, variable["definition"]
+    metric, label = match.groups()
+    metric = fill_variables(metric, [load.instance])
+    values = query(load.prometheus, f"label/{label}/values", **{"match[]": metric})
+    assert values == [load.instance]
 
 
 def test_model_variable_lists_the_model(load):
