@@ -1,12 +1,12 @@
 """Sampling: one step's logits [B, V] -> one token id per row, plus raw logprobs; and the
 logprob math prompt logprobs share.
 
-Owns the order in which logits are shaped (suppression and bias, repetition penalty,
-frequency and presence penalties, temperature, top-k, top-p, min-p) and how randomness is
-drawn. Per-row parameters are tensors, so a step costs the same few kernels whatever mix of
-requests it holds; the only loop over rows is over those with their own seeded generator.
-It must never see a request: the engine builds `SamplingMetadata` from plain lists, and
-nothing here mutates the caller's logits or reads state beyond what it is handed.
+Owns the order in which logits are shaped (grammar bitmask, suppression and bias,
+repetition penalty, frequency and presence penalties, temperature, top-k, top-p, min-p) and
+how randomness is drawn. Per-row parameters are tensors, so a step costs the same few
+kernels whatever mix of requests it holds; the only loop over rows is over those with their
+own seeded generator. It must never see a request: the engine builds `SamplingMetadata` from
+plain lists, and nothing here mutates the caller's logits or reads state beyond what it is handed.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from itertools import chain
 
+import numpy as np
 import torch
 
 # Below this a temperature is greedy: dividing by it can overflow float32 to inf, and the
@@ -45,6 +46,8 @@ class SamplingMetadata:
     seen_mask: torch.Tensor | None  # [B, V] bool: id occurs in prompt or output (repetition)
     logit_bias: tuple[torch.Tensor, ...] | None  # (rows, ids, values), flat over all rows
     suppress: tuple[torch.Tensor, ...] | None  # (rows, ids), flat; these logits become -inf
+    # (rows, bitmask [k, W] int32): the constrained rows and the tokens their grammar allows
+    token_bitmask: tuple[torch.Tensor, torch.Tensor] | None
     generators: list[torch.Generator | None]  # on the logits' device
     num_logprobs: int  # -1: none; 0: the sampled token's; N: also the top N alternatives
     all_greedy: bool
@@ -74,7 +77,10 @@ class SamplingMetadata:
         num_logprobs: int,
         vocab_size: int,
         device: torch.device | str,
+        token_bitmasks: list[np.ndarray | None] | None = None,
     ) -> SamplingMetadata:
+        """`token_bitmasks`: per row, its grammar's allowed-token bits, or None when the
+        row is unconstrained."""
         num_rows = len(temperature)
         # Parameters on greedy rows change nothing, so only sampling rows switch work on.
         sampling = [i for i, t in enumerate(temperature) if t >= _GREEDY_TEMPERATURE]
@@ -117,6 +123,7 @@ class SamplingMetadata:
             seen_mask=seen_mask,
             logit_bias=bias,
             suppress=_flat_index(suppress_ids, device) if any(suppress_ids) else None,
+            token_bitmask=_stack_bitmasks(token_bitmasks or [], device),
             generators=generators,
             num_logprobs=num_logprobs,
             all_greedy=not sampling,
@@ -157,6 +164,7 @@ class Sampler:
         Returns `logits` itself when nothing applies, otherwise a new tensor."""
         if (
             meta.suppress is None
+            and meta.token_bitmask is None
             and meta.logit_bias is None
             and meta.repetition_penalty is None
             and meta.frequency_penalty is None
@@ -164,6 +172,8 @@ class Sampler:
         ):
             return logits
         logits = logits.clone()
+        if meta.token_bitmask is not None:
+            apply_token_bitmask(logits, *meta.token_bitmask)
         if meta.logit_bias is not None:
             rows, ids, values = meta.logit_bias
             logits.index_put_((rows, ids), values, accumulate=True)
@@ -179,6 +189,28 @@ class Sampler:
         if meta.presence_penalty is not None:
             logits -= meta.presence_penalty[:, None] * (meta.output_counts > 0)
         return logits
+
+
+def _stack_bitmasks(
+    per_row: list[np.ndarray | None], device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    rows = [i for i, mask in enumerate(per_row) if mask is not None]
+    if not rows:
+        return None
+    bitmask = torch.from_numpy(np.stack([per_row[i] for i in rows])).to(device)
+    return torch.tensor(rows, dtype=torch.int64, device=device), bitmask
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: in each of `rows`, every token whose bit is clear in its bitmask row
+    (llguidance's layout: bit t % 32 of int32 word t // 32) becomes -inf. Token ids past
+    the bitmask are not allowed either. One unpack for all rows, no loop over them."""
+    vocab_size = logits.shape[-1]
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
+    if allowed.shape[1] < vocab_size:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
+    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab_size], float("-inf"))
 
 
 def token_logprobs(

@@ -10,6 +10,10 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from scheduler.structured_output import Grammar
 
 
 class InvalidParams(ValueError):
@@ -40,6 +44,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     n: int = 1
     skip_special_tokens: bool = True
+    # Compiled before admission (server/grammar.py); every sampled token must obey it.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         def check(ok: bool, param: str, message: str) -> None:
@@ -89,6 +95,13 @@ class SamplingParams:
             f"prompt_logprobs must be between 0 and 20, got {self.prompt_logprobs}",
         )
         check(all(s for s in self.stop), "stop", "stop strings must not be empty")
+        # The grammar decides where the output may end; holding back the end-of-sequence
+        # token it forces would leave nothing it allows.
+        check(
+            self.grammar is None or self.min_tokens == 0,
+            "min_tokens",
+            "min_tokens cannot be combined with structured output",
+        )
         if self.logit_bias:
             for token, bias in self.logit_bias.items():
                 check(

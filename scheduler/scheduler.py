@@ -29,8 +29,12 @@ from scheduler.step_data import (
     SchedulerOutput,
     SequenceUpdate,
 )
+from scheduler.structured_output import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
+
+
+GRAMMAR_BROKEN = "internal error: a sampled token broke the request's grammar"
 
 
 class QueueFull(RuntimeError):
@@ -60,6 +64,7 @@ class Scheduler:
         # Finished or aborted since the last schedule(): the runner forgets them.
         self._finished_ids: list[str] = []
         self._in_flight: dict[str, Request] = {}  # scheduled this step, by id
+        self.structured = StructuredOutputManager()
 
     @property
     def num_waiting(self) -> int:
@@ -79,6 +84,10 @@ class Scheduler:
         self.waiting.append(first)
         if siblings:
             self.forks_pending[first.request_id] = siblings
+        grammar = first.params.grammar
+        if grammar is not None:
+            for req in [first, *(siblings or [])]:
+                self.structured.add(req.request_id, grammar)
 
     def abort(self, request_id: str) -> Request | None:
         """Removes a request wherever it is and frees its blocks."""
@@ -111,6 +120,7 @@ class Scheduler:
         req.status = RequestStatus.FINISHED
         req.finish_reason = reason
         self.kv.free(req.request_id)
+        self.structured.remove(req.request_id)
         self._finished_ids.append(req.request_id)
         # Siblings still waiting for this one's prompt are released to compute it alone.
         for sibling in reversed(self.forks_pending.pop(req.request_id, [])):
@@ -189,11 +199,23 @@ class Scheduler:
 
         self._in_flight = {req.request_id: req for req, _ in plan}
         finished_ids, self._finished_ids = self._finished_ids, []
+        scheduled = [self._scheduled(req, num_new) for req, num_new in plan]
+        self._fill_bitmasks(scheduled)
         return SchedulerOutput(
-            scheduled=[self._scheduled(req, num_new) for req, num_new in plan],
+            scheduled=scheduled,
             preempted_ids=[req.request_id for req in preempted],
             finished_ids=finished_ids,
         )
+
+    def _fill_bitmasks(self, scheduled: list[ScheduledRequest]) -> None:
+        """One batched mask computation for the constrained sequences that sample this
+        step; the others get no row and cost nothing."""
+        rows = [s for s in scheduled if s.sample and s.request_id in self.structured]
+        if not rows:
+            return
+        bitmask = self.structured.fill_bitmask([s.request_id for s in rows])
+        for index, row in enumerate(rows):
+            row.token_bitmask = bitmask[index]
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -237,9 +259,17 @@ class Scheduler:
                 self._fork_siblings(req)
             sampled = result.sampled[req.request_id]
             req.append_output(sampled.token_id)
-            reason = self._stop_reason(req, sampled.token_id)
+            reason = None
+            if req.request_id in self.structured:
+                # The matcher moves with the output and only here; a grammar that has
+                # ended (or a refused token) ends the sequence whatever its stop tokens.
+                reason = self.structured.accept(req.request_id, sampled.token_id)
+            reason = reason or self._stop_reason(req, sampled.token_id)
             if reason is not None:
                 self.finish(req, reason)
+            if reason == "error":
+                updates.append(SequenceUpdate(req, finish_reason=reason, error=GRAMMAR_BROKEN))
+                continue
             updates.append(SequenceUpdate(req, sampled.token_id, sampled.logprob, reason))
         self._in_flight = {}
         return updates

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from scheduler.request import Request, SamplingParams, TokenLogprob
 
 
@@ -34,6 +36,9 @@ class ScheduledRequest:
     suppress_token_ids: frozenset[int] = frozenset()
     # First prompt position whose logprob is still owed, when this chunk computes some.
     prompt_logprobs_from: int | None = None
+    # A constrained sequence that samples: the tokens its grammar allows next, one bit per
+    # token id (llguidance's int32 layout), a row of the step's one bitmask array.
+    token_bitmask: np.ndarray | None = None
 
 
 @dataclass

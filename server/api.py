@@ -11,7 +11,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from server.chat import create_chat_completion, render_chat
+from server.chat import create_chat_completion
+from server.chat_inputs import render_chat
 from server.completions import create_completion
 from server.engine_inputs import check_token_ids
 from server.errors import APIError, install_error_handlers
@@ -25,6 +26,8 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from server.responses import create_response
+from server.responses_protocol import ResponsesRequest
 from server.routing import add_routing_endpoints
 from server.state import ServerState
 
@@ -80,6 +83,11 @@ def build_app(
     async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
         check_model(req.model)
         return await create_chat_completion(req, raw, state)
+
+    @app.post("/v1/responses", dependencies=guarded)
+    async def responses(req: ResponsesRequest, raw: Request) -> Any:
+        check_model(req.model)
+        return await create_response(req, raw, state)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> ModelList:

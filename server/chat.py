@@ -1,5 +1,7 @@
 """`POST /v1/chat/completions`: messages rendered with the model's chat template, then
-generated like a completion; streamed as role, content deltas, finish, usage, [DONE].
+generated like a completion; streamed as role, content deltas (or tool-call deltas),
+finish, usage, [DONE]. Tool calls in the answer become `tool_calls` with
+`finish_reason: "tool_calls"` (server/tool_calls.py, server/tool_stream.py).
 
 It never touches the engine's state: it admits, reads its request's outputs and
 renders them.
@@ -14,40 +16,16 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from model.text.chat_template import ChatTemplateError
 from scheduler.request import TokenLogprob
+from server.chat_inputs import chat_inputs
 from server.completions import SSE_HEADERS
-from server.engine_inputs import checked_max_tokens, sampling_params
 from server.errors import APIError, error_body
-from server.protocol import ChatCompletionRequest, ChatMessage
+from server.protocol import ChatCompletionRequest
 from server.state import ServerState
 from server.streaming import admit, merge, sse, unless_disconnected
-
-
-def render_chat(
-    messages: list[ChatMessage],
-    state: ServerState,
-    add_generation_prompt: bool = True,
-    kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    if state.chat_template is None:
-        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
-    dicts = [{"role": m.role, "content": m.text()} for m in messages]
-    # Names `prompt_ids` takes itself: passed again as template variables they would be a
-    # TypeError (a 500) rather than the client's mistake.
-    taken = sorted({"self", "messages", "tokenizer", "add_generation_prompt"} & set(kwargs or {}))
-    if taken:
-        raise APIError(
-            400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs"
-        )
-    try:
-        # A format without a Jinja template (Llama 3's) builds the ids itself; either way
-        # the template writes every special token it wants, BOS included.
-        return state.chat_template.prompt_ids(
-            dicts, state.tokenizer, add_generation_prompt, **(kwargs or {})
-        )
-    except ChatTemplateError as exc:
-        raise APIError(400, f"messages: {exc}", "messages") from None
+from server.tool_calls import ToolPlan, parse_tool_calls
+from server.tool_stream import ToolCallStream
+from server.usage import usage
 
 
 def chat_logprobs(entries: list[TokenLogprob], state: ServerState) -> list[dict[str, Any]]:
@@ -66,17 +44,11 @@ def chat_logprobs(entries: list[TokenLogprob], state: ServerState) -> list[dict[
 async def create_chat_completion(
     req: ChatCompletionRequest, raw: Request, state: ServerState
 ) -> Any:
-    ids = render_chat(req.messages, state, req.add_generation_prompt, req.chat_template_kwargs)
-    requested = (
-        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    )
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = checked_max_tokens(requested, len(ids), state, param)
-    n_logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    params = sampling_params(req, max_tokens, n_logprobs, state)
+    inputs = await chat_inputs(req, state, raw.state.request_id)
+    ids, plan = inputs.prompt_ids, inputs.tools
     rid = raw.state.request_id
     raw.state.prompt_tokens = len(ids)
-    streams = await admit(state, [(rid, ids, params)])
+    streams = await admit(state, [(rid, ids, inputs.params)])
     header = {
         "id": f"chatcmpl-{rid}",
         "created": int(time.time()),
@@ -85,17 +57,25 @@ async def create_chat_completion(
     }
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        body = _stream(req, raw, state, streams, header, len(ids), include_usage)
+        body = _stream(req, raw, state, streams, header, len(ids), include_usage, plan)
         return StreamingResponse(body, media_type="text/event-stream", headers=SSE_HEADERS)
-    return await unless_disconnected(raw, _collect(req, raw, state, streams, header, len(ids)))
+    return await unless_disconnected(
+        raw, _collect(req, raw, state, streams, header, len(ids), plan)
+    )
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
+def assistant_message(
+    text: str, reason: str | None, plan: ToolPlan | None
+) -> tuple[dict[str, Any], str | None]:
+    """The finished answer as OpenAI's assistant message, and its finish reason."""
+    if plan is None:
+        return {"role": "assistant", "content": text}, reason
+    content, calls = parse_tool_calls(text, plan)
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if not calls:
+        return message, reason
+    message["tool_calls"] = [call.wire() for call in calls]
+    return message, "tool_calls" if reason == "stop" else reason
 
 
 async def _collect(
@@ -105,11 +85,12 @@ async def _collect(
     streams: list,
     header: dict[str, Any],
     prompt_tokens: int,
+    plan: ToolPlan | None,
 ) -> JSONResponse:
     texts = ["" for _ in range(req.n)]
     logprobs: list[list[TokenLogprob]] = [[] for _ in range(req.n)]
     reasons: list[str | None] = [None] * req.n
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
     async for _, out in merge(streams):
         if out.error is not None:
             raise APIError(500, f"generation failed: {out.error}")
@@ -118,18 +99,16 @@ async def _collect(
         if out.finished:
             reasons[out.index] = out.finish_reason
             completion_tokens += out.num_output_tokens
+            if out.index == 0:
+                cached_tokens = out.num_cached_tokens
     raw.state.completion_tokens = completion_tokens
-    choices = [
-        {
-            "index": i,
-            "message": {"role": "assistant", "content": texts[i]},
-            "logprobs": {"content": chat_logprobs(logprobs[i], state)} if req.logprobs else None,
-            "finish_reason": reasons[i],
-        }
-        for i in range(req.n)
-    ]
+    choices = []
+    for i in range(req.n):
+        message, reason = assistant_message(texts[i], reasons[i], plan)
+        lp = {"content": chat_logprobs(logprobs[i], state)} if req.logprobs else None
+        choices.append({"index": i, "message": message, "logprobs": lp, "finish_reason": reason})
     body = {**header, "object": "chat.completion", "choices": choices}
-    return JSONResponse({**body, "usage": _usage(prompt_tokens, completion_tokens)})
+    return JSONResponse({**body, "usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
 
 
 async def _stream(
@@ -140,6 +119,7 @@ async def _stream(
     header: dict[str, Any],
     prompt_tokens: int,
     include_usage: bool,
+    plan: ToolPlan | None,
 ) -> AsyncIterator[str]:
     chunk = {**header, "object": "chat.completion.chunk"}
     usage_field = {"usage": None} if include_usage else {}
@@ -148,20 +128,35 @@ async def _stream(
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         return sse({**chunk, "choices": [choice], **usage_field})
 
+    parsers = [ToolCallStream(plan) if plan else None for _ in range(req.n)]
     for i in range(req.n):
         yield event(i, {"role": "assistant", "content": ""})
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
     async for _, out in merge(streams):
         if out.error is not None:
             yield sse(error_body(500, f"generation failed: {out.error}"))
             break
+        if out.index == 0:
+            cached_tokens = out.num_cached_tokens
         lp = {"content": chat_logprobs(out.logprobs or [], state)} if req.logprobs else None
-        if out.new_text or lp:
-            yield event(out.index, {"content": out.new_text}, lp=lp)
+        parser = parsers[out.index]
+        reason = out.finish_reason
+        if parser is None:
+            if out.new_text or lp:
+                yield event(out.index, {"content": out.new_text}, lp=lp)
+        else:
+            # Logprobs ride on the first delta of the step (or alone when it has none).
+            deltas = parser.feed(out.new_text, final=out.finished) or ([{}] if lp else [])
+            for delta in deltas:
+                yield event(out.index, delta, lp=lp)
+                lp = None
+            if parser.num_calls and reason == "stop":
+                reason = "tool_calls"
         if out.finished:
             completion_tokens += out.num_output_tokens
-            yield event(out.index, {}, out.finish_reason)
+            yield event(out.index, {}, reason)
     raw.state.completion_tokens = completion_tokens
     if include_usage:
-        yield sse({**chunk, "choices": [], "usage": _usage(prompt_tokens, completion_tokens)})
+        final = usage(prompt_tokens, completion_tokens, cached_tokens)
+        yield sse({**chunk, "choices": [], "usage": final})
     yield sse("[DONE]")

@@ -20,6 +20,8 @@ from server.errors import APIError, error_body
 from server.protocol import CompletionRequest
 from server.state import ServerState
 from server.streaming import admit, merge, sse, unless_disconnected
+from server.structured import request_grammar
+from server.usage import usage
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -74,12 +76,17 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
         raise APIError(400, "suffix is not supported", "suffix")
     prompts = prompt_ids(req, state)
     max_tokens_field = req.max_tokens
+    grammar = await request_grammar(
+        req.response_format, req.structured_outputs, state, raw.state.request_id
+    )
     jobs = []
     rid = raw.state.request_id
     for i, ids in enumerate(prompts):
         max_tokens = checked_max_tokens(max_tokens_field, len(ids), state, "max_tokens")
         prompt_logprobs = req.logprobs if req.echo else None
-        params = sampling_params(req, max_tokens, req.logprobs, state, prompt_logprobs)
+        params = sampling_params(
+            req, max_tokens, req.logprobs, state, prompt_logprobs, grammar=grammar
+        )
         jobs.append((f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params))
     raw.state.prompt_tokens = sum(len(ids) for ids in prompts)
     streams = await admit(state, jobs)
@@ -98,15 +105,6 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     return await unless_disconnected(raw, _collect(req, raw, state, streams, header, echo, prompts))
 
 
-def _usage(prompts: list[list[int]], completion_tokens: int) -> dict[str, int]:
-    prompt_tokens = sum(len(p) for p in prompts)
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
 async def _collect(
     req: CompletionRequest,
     raw: Request,
@@ -122,6 +120,7 @@ async def _collect(
     echoed: dict[tuple[int, int], list[TokenLogprob]] = {}
     reasons: dict[tuple[int, int], str | None] = {}
     completion_tokens = 0
+    cached: dict[int, int] = {}
     async for p, out in merge(streams):
         key = (p, out.index)
         if out.error is not None:
@@ -133,6 +132,8 @@ async def _collect(
         if out.finished:
             reasons[key] = out.finish_reason
             completion_tokens += out.num_output_tokens
+        if out.index == 0:
+            cached[p] = out.num_cached_tokens
     raw.state.completion_tokens = completion_tokens
     choices = []
     for (p, i), text in texts.items():
@@ -144,7 +145,9 @@ async def _collect(
             choice["logprobs"] = legacy_logprobs(logprobs[(p, i)], state, 0)
         choice["finish_reason"] = reasons.get((p, i))
         choices.append(choice)
-    return JSONResponse({**header, "choices": choices, "usage": _usage(prompts, completion_tokens)})
+    prompt_tokens = sum(len(p) for p in prompts)
+    final = usage(prompt_tokens, completion_tokens, sum(cached.values()))
+    return JSONResponse({**header, "choices": choices, "usage": final})
 
 
 async def _stream(
@@ -161,6 +164,7 @@ async def _stream(
     usage_field = {"usage": None} if include_usage else {}
     offsets = {(p, i): len(echo[p]) for p in range(len(prompts)) for i in range(n)}
     completion_tokens = 0
+    cached: dict[int, int] = {}
     echoed: set[tuple[int, int]] = set()
     async for p, out in merge(streams):
         out: RequestOutput
@@ -168,6 +172,8 @@ async def _stream(
             yield sse(error_body(500, f"generation failed: {out.error}"))
             break
         key = (p, out.index)
+        if out.index == 0:
+            cached[p] = out.num_cached_tokens
         if req.echo and key not in echoed:
             # The echo goes first, once the prompt's logprobs (if asked for) are known.
             echoed.add(key)
@@ -189,5 +195,7 @@ async def _stream(
             yield sse({**header, "choices": [choice], **usage_field})
     raw.state.completion_tokens = completion_tokens
     if include_usage:
-        yield sse({**header, "choices": [], "usage": _usage(prompts, completion_tokens)})
+        prompt_tokens = sum(len(p) for p in prompts)
+        final = usage(prompt_tokens, completion_tokens, sum(cached.values()))
+        yield sse({**header, "choices": [], "usage": final})
     yield sse("[DONE]")

@@ -8,6 +8,7 @@ It never admits a request: it only builds and checks what admission is handed.
 from __future__ import annotations
 
 from scheduler.request import InvalidParams, SamplingParams, resolve_max_tokens
+from scheduler.structured_output import Grammar
 from server.errors import APIError
 from server.protocol import MAX_STOP_STRINGS, SamplingFields
 from server.state import ServerState
@@ -40,6 +41,7 @@ def sampling_params(
     logprobs: int | None,
     state: ServerState,
     prompt_logprobs: int | None = None,
+    grammar: Grammar | None = None,
 ) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
@@ -80,6 +82,7 @@ def sampling_params(
             prompt_logprobs=prompt_logprobs,
             n=req.n,
             skip_special_tokens=req.skip_special_tokens,
+            grammar=grammar,
         )
     except InvalidParams as exc:
         raise APIError(400, str(exc), exc.param) from None

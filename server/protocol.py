@@ -28,6 +28,30 @@ class StreamOptions(LenientModel):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(LenientModel):
+    name: str | None = None
+    description: str | None = None
+    # `schema` would shadow a pydantic attribute; the wire name is kept by the alias.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(LenientModel):
+    # Any string: an unsupported type is a 400 naming response_format (server/structured.py).
+    type: str
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(LenientModel):
+    """vLLM's extra field: exactly one constraint."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class SamplingFields(LenientModel):
     """The sampling fields completions and chat share, with vLLM's extras."""
 
@@ -50,6 +74,8 @@ class SamplingFields(LenientModel):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
 
 TokenIds = Annotated[list[int], Field(min_length=1)]
@@ -68,10 +94,23 @@ class TextPart(LenientModel):
     text: str
 
 
+class FunctionCall(LenientModel):
+    name: str
+    arguments: str = "{}"  # a JSON object, as text
+
+
+class ToolCall(LenientModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(LenientModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -81,8 +120,25 @@ class ChatMessage(LenientModel):
         return "".join(part.text for part in self.content)
 
 
+class FunctionDefinition(LenientModel):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(LenientModel):
+    # Any string: a type other than "function" is a 400 naming tools (server/tool_calls.py).
+    type: str
+    function: FunctionDefinition
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    # "none", "auto", "required" or {"type": "function", "function": {"name": ...}}
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False

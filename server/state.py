@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
 from scheduler.async_engine import AsyncEngine
+from server.grammar import GrammarCompiler
 
 
 @dataclass
@@ -23,6 +24,10 @@ class ServerState:
     max_request_bytes: int = 8 * 2**20
     fingerprint: str = "fp_llamaserve"
     extra_model_names: list[str] = field(default_factory=list)
+    grammars: GrammarCompiler = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.grammars = GrammarCompiler(self.tokenizer)
 
     def serves(self, model: str | None) -> bool:
         return model is None or model == self.model_name or model in self.extra_model_names

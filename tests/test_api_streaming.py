@@ -87,10 +87,13 @@ def test_chat_sse_framing(live_server, reference):
     assert all(c["choices"][0]["finish_reason"] is None for c in [role, *deltas])
     assert end["choices"][0]["delta"] == {} and end["choices"][0]["finish_reason"] == finish
     assert usage["choices"] == []
+    cached = usage["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert 0 <= cached < len(ids)
     assert usage["usage"] == {
         "prompt_tokens": len(ids),
         "completion_tokens": n_tokens,
         "total_tokens": len(ids) + n_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
     for c in chunks:
         assert c["object"] == "chat.completion.chunk"

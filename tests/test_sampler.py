@@ -296,3 +296,49 @@ def test_logprobs_are_raw(device):
     assert only_chosen.logprobs is not None and only_chosen.top_ids is None
     none = Sampler()(logits, metadata(rows, vocab, device, **shaping))
     assert none.logprobs is None and none.top_ids is None and none.top_logprobs is None
+
+
+def pack_bitmask(allowed: list[list[int]], vocab: int):
+    """llguidance's layout, written independently: bit t % 32 of int32 word t // 32."""
+    import numpy as np
+
+    words = (vocab + 31) // 32
+    out = np.zeros((len(allowed), words), dtype=np.uint32)
+    for row, ids in enumerate(allowed):
+        for t in ids:
+            out[row, t // 32] |= np.uint32(1 << (t % 32))
+    return out.view(np.int32)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_bitmask_confines_only_its_rows(device):
+    torch.manual_seed(0)
+    vocab = 100  # not a multiple of 32: the last word is partly past the vocabulary
+    logits = torch.randn(4, vocab, device=device)
+    allowed = [[3, 31, 32, 99], [64]]
+    masks = pack_bitmask(allowed, vocab)
+    per_row = [masks[0], None, masks[1], None]
+    for temperature in (0.0, 1.0):
+        meta = metadata(4, vocab, device, temperature=[temperature] * 4, token_bitmasks=per_row)
+        for _ in range(20):
+            out = Sampler()(
+                logits,
+                meta,
+            ).token_ids.tolist()
+            assert out[0] in allowed[0] and out[2] == 64
+        processed = Sampler().process_logits(logits, meta)
+        finite = [torch.isfinite(processed[r]).nonzero().flatten().tolist() for r in range(4)]
+        assert finite == [allowed[0], list(range(vocab)), allowed[1], list(range(vocab))]
+    # Unconstrained rows are untouched and greedy rows take the masked argmax.
+    meta = metadata(4, vocab, device, temperature=[0.0] * 4, token_bitmasks=per_row)
+    out = Sampler()(logits, meta).token_ids.tolist()
+    best = max(allowed[0], key=lambda t: logits[0, t].item())
+    assert out == [best, logits[1].argmax().item(), 64, logits[3].argmax().item()]
+
+
+def test_apply_token_bitmask_masks_ids_past_the_bitmask():
+    from model.sampler import apply_token_bitmask
+
+    logits = torch.zeros(1, 70)
+    apply_token_bitmask(logits, torch.tensor([0]), torch.from_numpy(pack_bitmask([[1, 33]], 64)))
+    assert torch.isfinite(logits[0]).nonzero().flatten().tolist() == [1, 33]

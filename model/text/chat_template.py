@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -77,10 +77,16 @@ class ChatTemplate:
         env.globals["strftime_now"] = _strftime_now
         try:
             self._template = env.from_string(template)
+            self._variables = frozenset(meta.find_undeclared_variables(env.parse(template)))
         except jinja2.TemplateSyntaxError as exc:
             raise ChatTemplateError(
                 f"chat template does not compile (line {exc.lineno}): {exc.message}"
             ) from None
+
+    def reads(self, variable: str) -> bool:
+        """Whether the template reads this variable at all (e.g. `tools`): a template that
+        never mentions it would drop what is passed in silently."""
+        return variable in self._variables
 
     def render(
         self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any

@@ -74,4 +74,5 @@ def sampling_metadata(
         num_logprobs=max(want, default=-1),
         vocab_size=vocab_size,
         device=device,
+        token_bitmasks=[s.token_bitmask for s in rows],
     )

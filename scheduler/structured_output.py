@@ -1,0 +1,94 @@
+"""Constrained decoding on the scheduler's side: one grammar matcher per constrained
+sequence, the per-step token bitmask of the rows that sample, and advancing each matcher
+with the token the sequence accepted.
+
+Owns the matchers' state, which lives exactly as long as the sequence: created at
+admission, advanced only by `Scheduler.update_from_output`, dropped when the sequence
+finishes or is aborted. A preempted sequence keeps its matcher, because it keeps its
+output tokens: recomputing them refills the KV cache, not the grammar. Never compiles a
+grammar (the server does that off the engine thread) and never touches logits or torch:
+the runner applies the bitmask this module fills.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import llguidance
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask_par
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class Grammar:
+    """A compiled grammar: a matcher in its start state that is never advanced, only
+    copied (a few microseconds) for each sequence that uses it, so one compilation serves
+    every request and every n > 1 sibling with the same schema."""
+
+    key: tuple[str, str]  # (kind, spec): what it was compiled from, for logs and caching
+    start: llguidance.LLMatcher
+    vocab_size: int  # token ids the grammar's tokenizer knows; the bitmask covers these
+    eos_ids: frozenset[int]  # the tokens that end a sequence once the grammar is complete
+
+    def new_matcher(self) -> llguidance.LLMatcher:
+        return self.start.deep_copy()
+
+    @property
+    def bitmask_width(self) -> int:
+        """int32 words per bitmask row."""
+        return (self.vocab_size + 31) // 32
+
+
+class StructuredOutputManager:
+    def __init__(self) -> None:
+        self._matchers: dict[str, llguidance.LLMatcher] = {}
+        self._grammars: dict[str, Grammar] = {}
+        self._executor: llguidance.LLExecutor | None = None
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._matchers
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def add(self, request_id: str, grammar: Grammar) -> None:
+        self._matchers[request_id] = grammar.new_matcher()
+        self._grammars[request_id] = grammar
+
+    def remove(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+        self._grammars.pop(request_id, None)
+
+    def fill_bitmask(self, request_ids: list[str]) -> np.ndarray:
+        """Allowed next tokens of each sequence, one row each in llguidance's layout (bit
+        `t % 32` of int32 word `t // 32` is set when token t may come next), computed in
+        one batched call that releases the GIL."""
+        width = max(self._grammars[r].bitmask_width for r in request_ids)
+        bitmask = np.zeros((len(request_ids), width), dtype=np.int32)
+        if self._executor is None:
+            self._executor = llguidance.LLExecutor()
+        rows = [(self._matchers[r], i) for i, r in enumerate(request_ids)]
+        fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        return bitmask
+
+    def accept(self, request_id: str, token_id: int) -> str | None:
+        """Advances the sequence's matcher with its new token. Returns "stop" once the
+        grammar has ended (the end-of-sequence token it forced was taken), None while it
+        runs on. A token the grammar refuses cannot happen while the runner applies the
+        bitmask, so it is logged as the bug it is and answered with "error", never with
+        output that silently breaks the grammar."""
+        matcher = self._matchers[request_id]
+        if not matcher.consume_token(token_id):
+            logger.error(
+                "request %s: grammar refused token %d: %s",
+                request_id,
+                token_id,
+                matcher.get_error().splitlines()[0] if matcher.get_error() else "",
+            )
+            return "error"
+        if matcher.is_stopped() and token_id in self._grammars[request_id].eos_ids:
+            return "stop"
+        return None

@@ -1,0 +1,91 @@
+"""From a chat request to engine inputs: messages (with tools and earlier tool calls)
+rendered by the model's chat template into prompt ids, the tool plan, and sampling
+parameters with the grammar that enforces `response_format` or a required tool call.
+
+It never admits a request; `/v1/chat/completions`, `/v1/responses` and `/tokenize` share it,
+so each gets exactly the ids the others would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from model.text.chat_template import ChatTemplateError
+from scheduler.request import SamplingParams
+from server.engine_inputs import checked_max_tokens, sampling_params
+from server.errors import APIError
+from server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from server.state import ServerState
+from server.structured import compile_constraint, request_grammar
+from server.tool_calls import ToolPlan, tool_grammar, tool_plan
+from server.tool_prompt import call_format, tool_messages
+
+
+@dataclass
+class ChatInputs:
+    prompt_ids: list[int]
+    params: SamplingParams
+    tools: ToolPlan | None  # None: the answer is content only
+
+
+def render_chat(
+    messages: list[ChatMessage],
+    state: ServerState,
+    add_generation_prompt: bool = True,
+    kwargs: dict[str, Any] | None = None,
+    tools: list[Tool] | None = None,
+) -> list[int]:
+    template = state.chat_template
+    if template is None:
+        raise APIError(400, "this model has no chat template; use /v1/completions", "messages")
+    # Names `prompt_ids` takes itself: passed again as template variables they would be a
+    # TypeError (a 500) rather than the client's mistake.
+    taken = sorted({"self", "messages", "tokenizer", "add_generation_prompt"} & set(kwargs or {}))
+    if taken:
+        raise APIError(
+            400, f"chat_template_kwargs may not set {', '.join(taken)}", "chat_template_kwargs"
+        )
+    dicts, variables = tool_messages(messages, tools, template)
+    try:
+        # A format without a Jinja template (Llama 3's) builds the ids itself; either way
+        # the template writes every special token it wants, BOS included.
+        return template.prompt_ids(
+            dicts, state.tokenizer, add_generation_prompt, **{**(kwargs or {}), **variables}
+        )
+    except ChatTemplateError as exc:
+        raise APIError(400, f"messages: {exc}", "messages") from None
+
+
+async def chat_inputs(
+    req: ChatCompletionRequest, state: ServerState, request_id: str
+) -> ChatInputs:
+    plan = None
+    if state.chat_template is not None:
+        plan = tool_plan(req, call_format(state.chat_template))
+    ids = render_chat(
+        req.messages,
+        state,
+        req.add_generation_prompt,
+        req.chat_template_kwargs,
+        plan.tools if plan else None,
+    )
+    requested = (
+        req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    )
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = checked_max_tokens(requested, len(ids), state, param)
+    n_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    if plan is not None and plan.enforced:
+        if req.response_format is not None and req.response_format.type != "text":
+            raise APIError(
+                400, "response_format cannot be combined with a required tool call", "tool_choice"
+            )
+        constraint = ("lark", tool_grammar(plan))
+        grammar = await compile_constraint(constraint, "tools", state, request_id)
+    else:
+        grammar = await request_grammar(
+            req.response_format, req.structured_outputs, state, request_id
+        )
+    params = sampling_params(req, max_tokens, n_logprobs, state, grammar=grammar)
+    return ChatInputs(ids, params, plan)
