@@ -94,8 +94,13 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> RunStats:
 
 
 async def stream_one(
-    client: httpx.AsyncClient, url: str, prompt: list[int], max_tokens: int
+    client: httpx.AsyncClient,
+    url: str,
+    prompt: list[int],
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> RequestTiming:
+    """extra: fields added to (or replacing) the request body's."""
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
@@ -103,6 +108,7 @@ async def stream_one(
         "ignore_eos": True,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     timing = RequestTiming(sent=time.monotonic())
     try:
@@ -127,7 +133,11 @@ async def stream_one(
 
 
 async def run_closed_loop(
-    base_url: str, prompts: list[list[int]], num_clients: int, max_tokens: int
+    base_url: str,
+    prompts: list[list[int]],
+    num_clients: int,
+    max_tokens: int,
+    extra: dict | None = None,
 ) -> RunStats:
     """Sends every prompt once, `num_clients` at a time, and times the whole run."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
@@ -140,7 +150,7 @@ async def run_closed_loop(
     async def client_loop(client: httpx.AsyncClient) -> None:
         while not queue.empty():
             prompt = queue.get_nowait()
-            timings.append(await stream_one(client, url, prompt, max_tokens))
+            timings.append(await stream_one(client, url, prompt, max_tokens, extra))
 
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         started = time.monotonic()

@@ -41,13 +41,27 @@ class Scenario:
     max_tokens: int
     requests: int
     shared_prefix: int = 0  # leading prompt tokens every request shares
+    # Every request held to this JSON schema, against the same load unconstrained (both
+    # llamaserve): what structured output costs.
+    json_schema: dict | None = None
 
     def describe(self) -> str:
         shared = f", {self.shared_prefix} shared" if self.shared_prefix else ""
+        schema = ", one json_schema against none" if self.json_schema else ""
         return (
             f"{self.name}: {self.clients} clients, {self.prompt_len}-token prompts{shared}, "
-            f"{self.max_tokens} new, {self.requests} requests"
+            f"{self.max_tokens} new, {self.requests} requests{schema}"
         )
+
+
+# At least 20 strings: a constrained answer runs to max_tokens like an unconstrained one.
+LIST_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "items": {"type": "string"}, "minItems": 20},
+    },
+    "required": ["items"],
+}
 
 
 SCENARIOS = {
@@ -56,6 +70,9 @@ SCENARIOS = {
     "c": Scenario("c", clients=16, prompt_len=512, max_tokens=64, requests=32),
     "d": Scenario("d", clients=16, prompt_len=512, max_tokens=64, requests=32, shared_prefix=400),
     "e": Scenario("e", clients=32, prompt_len=128, max_tokens=128, requests=64),
+    "f": Scenario(
+        "f", clients=16, prompt_len=128, max_tokens=64, requests=32, json_schema=LIST_SCHEMA
+    ),
 }
 
 
@@ -83,6 +100,8 @@ def cpu_description() -> str:
 def race(
     scenario: Scenario, prompts: list[list[int]], servers: list[str], args: argparse.Namespace
 ) -> dict[str, tuple[RunStats, int]]:
+    if scenario.json_schema is not None:
+        return structured_race(scenario, prompts, args)
     results = {}
     for name in servers:
         port = free_port()
@@ -101,6 +120,31 @@ def race(
                 run_closed_loop(server.base_url, prompts, scenario.clients, scenario.max_tokens)
             )
             results[name] = (stats, server.peak_rss_bytes())
+    return results
+
+
+def structured_race(
+    scenario: Scenario, prompts: list[list[int]], args: argparse.Namespace
+) -> dict[str, tuple[RunStats, int]]:
+    """llamaserve twice, a fresh server each: the load unconstrained, then every request
+    held to the scenario's schema (the grammar ends the answer, so no ignore_eos)."""
+    response_format = {
+        "type": "json_schema",
+        "json_schema": {"name": "bench", "schema": scenario.json_schema},
+    }
+    runs = {
+        "llamaserve": None,
+        "json_schema": {"response_format": response_format, "ignore_eos": False},
+    }
+    results = {}
+    for name, extra in runs.items():
+        port = free_port()
+        flags = [f"--max-num-seqs={max(64, scenario.clients)}", *args.llamaserve_args]
+        with running(name, llamaserve_command(args.model, port, args.threads, flags), port) as s:
+            stats = asyncio.run(
+                run_closed_loop(s.base_url, prompts, scenario.clients, scenario.max_tokens, extra)
+            )
+            results[name] = (stats, s.peak_rss_bytes())
     return results
 
 
@@ -137,6 +181,9 @@ def report(scenario: Scenario, results: dict[str, tuple[RunStats, int]]) -> None
             f"{s.itl_p50_s * 1e3:>7.0f}ms{s.itl_p99_s * 1e3:>6.0f}ms{rss / 2**30:>8.2f}GB"
             f"{s.num_errors:>8}"
         )
+    if {"llamaserve", "json_schema"} <= results.keys():
+        ratio = results["json_schema"][0].output_tok_s / results["llamaserve"][0].output_tok_s
+        print(f"{'constrained':<13}{ratio:>6.2f}x of unconstrained tok/s")
     if {"llamaserve", "transformers"} <= results.keys():
         ratio = results["llamaserve"][0].output_tok_s / results["transformers"][0].output_tok_s
         print(f"{'vs transformers':<13}{ratio:>6.2f}x")
@@ -159,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
-    p.add_argument("--scenarios", default="abcde")
+    p.add_argument("--scenarios", default="abcdef")
     p.add_argument(
         "--servers",
         nargs="+",

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from scheduler.request import RequestOutput, TokenLogprob
 from server.engine_inputs import check_token_ids, checked_max_tokens, sampling_params
 from server.errors import APIError, error_body
-from server.protocol import CompletionRequest
+from server.protocol import CompletionPrompt, CompletionRequest
 from server.state import ServerState
 from server.streaming import admit, merge, sse, unless_disconnected
 from server.structured import request_grammar
@@ -26,8 +26,8 @@ from server.usage import usage
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def prompt_ids(req: CompletionRequest, state: ServerState) -> list[list[int]]:
-    prompts = req.prompt
+def prompt_ids(prompts: CompletionPrompt, state: ServerState) -> list[list[int]]:
+    """Each prompt's token ids, checked (a 400 naming `prompt` otherwise)."""
     if isinstance(prompts, str):
         prompts = [prompts]
     elif prompts and isinstance(prompts[0], int):
@@ -74,7 +74,7 @@ def legacy_logprobs(
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Any:
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
-    prompts = prompt_ids(req, state)
+    prompts = prompt_ids(req.prompt, state)
     max_tokens_field = req.max_tokens
     grammar = await request_grammar(
         req.response_format, req.structured_outputs, state, raw.state.request_id

@@ -81,8 +81,11 @@ class SamplingFields(LenientModel):
 TokenIds = Annotated[list[int], Field(min_length=1)]
 
 
+CompletionPrompt = str | list[str] | TokenIds | list[TokenIds]
+
+
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: CompletionPrompt
     max_tokens: int | None = 16
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False

@@ -1,9 +1,10 @@
 """What a router in front of several replicas asks of each one, beside the OpenAI API:
 how loaded it is (vllm-router's `power_of_two` reads `GET /get_load`; vLLM serves the same
 figure at `GET /load`), and a completion prompt's token ids before it is sent
-(`POST /v1/completions/render`, vLLM's renderer API), which cache-aware routing keys its
-prefix tree on. Chat prompts fall back to `POST /tokenize` with their messages, which
-renders them with the model's chat template exactly as chat completions do."""
+(`POST /v1/completions/render`, vLLM's renderer API: the very ids, and the very errors,
+that /v1/completions gives the prompt), which cache-aware routing keys its prefix tree on.
+Chat prompts fall back to `POST /tokenize` with their messages, which renders them with
+the model's chat template exactly as chat completions do."""
 
 from __future__ import annotations
 
@@ -14,13 +15,14 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.params import Depends
 
-from server.protocol import LenientModel
+from server.completions import prompt_ids
+from server.protocol import CompletionPrompt, LenientModel
 from server.state import ServerState
 
 
 class RenderCompletionRequest(LenientModel):
     model: str | None = None
-    prompt: str | list[str] | list[int] | list[list[int]] = ""
+    prompt: CompletionPrompt
 
 
 def load_figures(state: ServerState) -> dict[str, int]:
@@ -60,15 +62,5 @@ def add_routing_endpoints(
                 "token_ids": ids,
                 "sampling_params": {},
             }
-            for ids in _prompt_ids(req.prompt, state)
+            for ids in prompt_ids(req.prompt, state)
         ]
-
-
-def _prompt_ids(prompt: Any, state: ServerState) -> list[list[int]]:
-    """The ids /v1/completions gives each prompt: text with special-token text as special,
-    token ids as they are."""
-    if isinstance(prompt, str):
-        return [state.tokenizer.encode(prompt, allow_special=True)]
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return [list(prompt)]
-    return [_prompt_ids(p, state)[0] for p in prompt]
