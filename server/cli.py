@@ -119,7 +119,7 @@ def serve(args: argparse.Namespace) -> int:
         return run_worker_node(config, parallel)
     app, _ = build_server(config)
     server = uvicorn_server(app, config)
-    lost = watch_ranks(app, server)
+    lost = watch_ranks(app, server) if parallel.tensor_parallel_size > 1 else []
     server.run()
     if lost:
         print(f"llamaserve: {lost[0]}; stopped", file=sys.stderr)
