@@ -24,6 +24,7 @@ MAX_MEASURED_BUDGET = 8192
 def create_engine(model: Llama, tokenizer: Tokenizer, config: EngineConfig | None = None) -> Engine:
     config = config or EngineConfig()
     runner = ModelRunner(model, config)
+    runner.sample_vocab_size = min(runner.vocab_size, tokenizer.vocab_size)
     runner.measure_small_step_threads()
     kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
     scheduler = Scheduler(

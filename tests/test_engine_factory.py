@@ -40,3 +40,28 @@ def test_the_real_measurement_gives_a_positive_speed(ours_default) -> None:
     runner = ModelRunner(ours_default.model, EngineConfig(kv_cache_memory=64 * 737280))
     assert runner.prefill_ms_per_token(num_tokens=64) > 0
     assert runner.kv_cache.k.abs().sum() > 0  # it ran the model into the cache
+
+
+def test_ids_past_the_tokenizer_are_never_sampled(tmp_path) -> None:
+    """A checkpoint whose 512 rows outnumber its tokenizer's ~350 tokens (padded, as many
+    are): sampled at temperature 2, every id stays decodable and no request fails."""
+    from model.loader import load_model
+    from scheduler.request import SamplingParams
+    from tests.engine_driver import run_engine
+    from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
+
+    make_tiny_llama(tmp_path, heads="gqa")
+    write_tiny_tokenizer(tmp_path, fill=False)
+    loaded = load_model(tmp_path, progress=False)
+    assert loaded.tokenizer.vocab_size < loaded.config.vocab_size
+    engine = create_engine(
+        loaded.model,
+        loaded.tokenizer,
+        EngineConfig(max_num_batched_tokens=64, kv_cache_memory=2**20),
+    )
+    params = SamplingParams(max_tokens=64, temperature=2.0, seed=1, ignore_eos=True)
+    ids = loaded.tokenizer.encode("The quick brown fox")
+    results, _ = run_engine(engine, {f"r{i}": (ids, params) for i in range(4)})
+    assert all(r.finish_reason == "length" for r in results.values())
+    sampled = [t for r in results.values() for t in r.token_ids]
+    assert len(sampled) == 4 * 64 and max(sampled) < loaded.tokenizer.vocab_size

@@ -45,9 +45,10 @@ def make_tiny_llama(
     return model
 
 
-def write_tiny_tokenizer(directory: Path, vocab_size: int = 512) -> None:
+def write_tiny_tokenizer(directory: Path, vocab_size: int = 512, fill: bool = True) -> None:
     """A byte-level BPE trained by the `tokenizers` library on a few sentences, small enough
-    for a tiny checkpoint's vocabulary, so the whole server can run on one."""
+    for a tiny checkpoint's vocabulary, so the whole server can run on one. fill=False
+    leaves it short of `vocab_size` (about 350 tokens), as padded checkpoints are."""
     import json
 
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -71,7 +72,7 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 512) -> None:
     # so every id a random model emits decodes to some text.
     from tokenizers import AddedToken
 
-    filler = [f"<|t{i}|>" for i in range(vocab_size - backend.get_vocab_size())]
+    filler = [f"<|t{i}|>" for i in range(vocab_size - backend.get_vocab_size())] if fill else []
     backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in filler])
     backend.save(str(directory / "tokenizer.json"))
     config = {"eos_token": "<|endoftext|>", "model_max_length": 256}

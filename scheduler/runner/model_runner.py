@@ -46,6 +46,9 @@ class ModelRunner:
         self.device = weight.device
         self.block_size = config.block_size
         self.sampler = Sampler()
+        # Ids a sequence may sample: a checkpoint's vocabulary is often padded past its
+        # tokenizer's, and an id the tokenizer cannot decode must never be drawn.
+        self.sample_vocab_size = model.config.vocab_size
         budget = None
         if self.device.type == "cuda" and config.kv_cache_memory is None:
             budget = gpu_kv_budget(
@@ -157,10 +160,11 @@ class ModelRunner:
         if not sampling:
             return result
         try:
+            vocab = self.sample_vocab_size
             meta = sampling_metadata(
-                sampling, [self._generator(r) for r in sampling], self.vocab_size, self.device
+                sampling, [self._generator(r) for r in sampling], vocab, self.device
             )
-            out = self.sampler(logits[[inputs.last_row(i) for i in indices]], meta)
+            out = self.sampler(logits[[inputs.last_row(i) for i in indices], :vocab], meta)
             result.sampled = _sampled_tokens(sampling, out)
         except Exception:
             # Only the rows that sampled are lost; an exception escaping the step would stop
