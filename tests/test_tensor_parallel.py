@@ -25,6 +25,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def one_process(model: str | None) -> list[torch.Tensor]:
+    """The same fixed steps in this process, unsplit: the reference."""
+    from model.loader import load_model
+    from tests.tp_forward import logits_of_fixed_steps
+
+    loaded = load_model(model, dtype=torch.float32, progress=False)
+    return logits_of_fixed_steps(loaded.model, loaded.config.vocab_size)
+
+
 def run_ranks(model: str | None, world_size: int, out) -> list[torch.Tensor]:
     port = free_port()
     model_args = [model] if model else []
@@ -48,7 +57,7 @@ def run_ranks(model: str | None, world_size: int, out) -> list[torch.Tensor]:
 def test_tp2_logits_match_one_process_on_tiny_checkpoints(heads: str, tmp_path) -> None:
     make_tiny_llama(tmp_path, heads=heads)
     _write_stub_tokenizer(tmp_path)
-    single = run_ranks(str(tmp_path), 1, tmp_path / "tp1.pt")
+    single = one_process(str(tmp_path))
     split = run_ranks(str(tmp_path), 2, tmp_path / "tp2.pt")
     assert [t.shape for t in single] == [(42, 512), (3, 512)]
     for a, b in zip(split, single, strict=True):
@@ -57,7 +66,7 @@ def test_tp2_logits_match_one_process_on_tiny_checkpoints(heads: str, tmp_path) 
 
 @pytest.mark.slow
 def test_tp3_logits_match_one_process_on_the_default_model(tmp_path) -> None:
-    single = run_ranks(None, 1, tmp_path / "tp1.pt")
+    single = one_process(None)
     split = run_ranks(None, 3, tmp_path / "tp3.pt")
     for a, b in zip(split, single, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL)
@@ -121,7 +130,7 @@ def test_meta_rank_files_map_onto_ranks_and_no_other_file_is_read(meta_mp2) -> N
 
 
 def test_tp2_on_a_two_file_meta_checkpoint_matches_one_process(meta_mp2, tmp_path) -> None:
-    single = run_ranks(str(meta_mp2), 1, tmp_path / "tp1.pt")
+    single = one_process(str(meta_mp2))
     split = run_ranks(str(meta_mp2), 2, tmp_path / "tp2.pt")
     for a, b in zip(split, single, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL)
