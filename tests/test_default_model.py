@@ -62,11 +62,11 @@ def test_greedy_matches_transformers(hf_default, ours_default, prompt_ids):
             out = hf.generate(
                 torch.tensor([ids]),
                 attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=32,
+                max_new_tokens=24,
                 do_sample=False,
                 eos_token_id=None,
                 pad_token_id=0,
             )
         want = out[0, len(ids) :].tolist()
-        got = list(greedy_tokens(ours_default.model, ids, 32))
+        got = list(greedy_tokens(ours_default.model, ids, 24))
         assert got == want, (ids, got, want)

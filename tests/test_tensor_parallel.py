@@ -65,8 +65,10 @@ def test_tp2_logits_match_one_process_on_tiny_checkpoints(heads: str, tmp_path) 
 
 
 @pytest.mark.slow
-def test_tp3_logits_match_one_process_on_the_default_model(tmp_path) -> None:
-    single = one_process(None)
+def test_tp3_logits_match_one_process_on_the_default_model(ours_default, tmp_path) -> None:
+    from tests.tp_forward import logits_of_fixed_steps
+
+    single = logits_of_fixed_steps(ours_default.model, ours_default.config.vocab_size)
     split = run_ranks(None, 3, tmp_path / "tp3.pt")
     for a, b in zip(split, single, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=TOL)

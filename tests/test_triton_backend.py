@@ -26,6 +26,16 @@ TOL = 1e-4
 BLOCK = 16
 
 
+@pytest.fixture
+def one_thread():
+    """Under the interpreter a kernel is Python either way; one thread also skips the
+    engine's start-up timing of one-token steps on one and on two threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_gqa(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("gqa")
@@ -70,7 +80,7 @@ def test_mixed_step_logits_match_reference(tiny_gqa, device: str) -> None:
     torch.testing.assert_close(logits["tri"], logits["ref"], rtol=0, atol=TOL)
 
 
-def test_engine_greedy_and_logprobs_match_reference(tiny_gqa, device: str) -> None:
+def test_engine_greedy_and_logprobs_match_reference(tiny_gqa, device: str, one_thread) -> None:
     g = torch.Generator().manual_seed(1)
     shared = torch.randint(0, 512, (2 * BLOCK + 5,), generator=g).tolist()
     prompts = {
@@ -111,7 +121,9 @@ def test_graph_batch_sizes_cover_every_batch() -> None:
     assert all(any(s >= n for s in sizes) for n in range(1, 21))
 
 
-def test_decode_steps_on_static_buffers_match_ordinary_steps(tiny_gqa, device: str) -> None:
+def test_decode_steps_on_static_buffers_match_ordinary_steps(
+    tiny_gqa, device: str, one_thread
+) -> None:
     """The decode-graph path (padded static buffers) run without capture, which any device
     can do: batches of 5, 4, 3 ... sequences pad up to the ladder's 8 and 4."""
     g = torch.Generator().manual_seed(2)
