@@ -53,15 +53,20 @@ def run_ranks(model: str | None, world_size: int, out) -> list[torch.Tensor]:
     return torch.load(out)
 
 
-@pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
-def test_tp2_logits_match_one_process_on_tiny_checkpoints(heads: str, tmp_path) -> None:
-    make_tiny_llama(tmp_path, heads=heads)
-    _write_stub_tokenizer(tmp_path)
-    single = one_process(str(tmp_path))
-    split = run_ranks(str(tmp_path), 2, tmp_path / "tp2.pt")
-    assert [t.shape for t in single] == [(42, 512), (3, 512)]
-    for a, b in zip(split, single, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+def test_tp2_logits_match_one_process_on_tiny_checkpoints(tmp_path) -> None:
+    """MHA, GQA and MQA (whose one KV head both ranks hold), in one start-up of the ranks."""
+    paths = []
+    for heads in ("mha", "gqa", "mqa"):
+        path = tmp_path / heads
+        make_tiny_llama(path, heads=heads)
+        _write_stub_tokenizer(path)
+        paths.append(str(path))
+    split = run_ranks(",".join(paths), 2, tmp_path / "tp2.pt")
+    for path, logits in zip(paths, split, strict=True):
+        single = one_process(path)
+        assert [t.shape for t in single] == [(42, 512), (3, 512)]
+        for a, b in zip(logits, single, strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=TOL, msg=path)
 
 
 @pytest.mark.slow

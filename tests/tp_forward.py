@@ -2,7 +2,7 @@
 gloo): loads its shard of a checkpoint, runs a fixed chunked prefill of three prompts and
 a decode step on a paged cache, and rank 0 saves the logits of both steps.
 
-    python -m tests.tp_forward MODEL OUT --rank R --world-size N --port P
+    python -m tests.tp_forward MODEL[,MODEL...] OUT --rank R --world-size N --port P
 """
 
 import argparse
@@ -52,10 +52,13 @@ def main() -> None:
     if args.world_size > 1:
         init_distributed(DistributedSpec(args.rank, args.world_size, master_port=args.port))
         tp = TensorParallel(args.rank, args.world_size)
-    loaded = load_model(args.model, dtype=torch.float32, progress=False, tp=tp)
-    logits = logits_of_fixed_steps(loaded.model, loaded.config.vocab_size)
+    # Several checkpoints, comma-separated, share one start-up of the ranks.
+    results = []
+    for model in args.model.split(",") if args.model else [None]:
+        loaded = load_model(model, dtype=torch.float32, progress=False, tp=tp)
+        results.append(logits_of_fixed_steps(loaded.model, loaded.config.vocab_size))
     if args.rank == 0:
-        torch.save(logits, args.out)
+        torch.save(results if len(results) > 1 else results[0], args.out)
     close_distributed()
 
 
