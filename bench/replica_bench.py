@@ -3,9 +3,10 @@ on the same cores and the same load, in `make bench`'s format:
 
     python -m bench.replica_bench [--scenarios be] [--seed 1]
 
-On one 2-core machine replication cannot add compute: what it buys is fault tolerance and
-cache-aware routing; what it costs (two copies of the weights, two schedulers, the router's
-hop) shows here. Peak RSS of the fleet is the sum of every process's own peak.
+On one 2-core machine replication cannot add cores: what it changes is how well they are
+used (one process runs small operations on two threads, paying fork and join each time),
+and what it costs (two copies of the weights, two schedulers, the router's hop) shows
+here. Peak RSS of the fleet is the sum of every process's own peak.
 """
 
 from __future__ import annotations
