@@ -17,6 +17,7 @@ from collections.abc import AsyncIterator, Callable
 
 from scheduler.engine import Engine
 from scheduler.request import RequestOutput, SamplingParams
+from scheduler.runner.openmp import release_openmp_workers
 from scheduler.stats import StepStats
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,9 @@ class AsyncEngine:
         self.on_death: Callable[[str], None] | None = None
 
     def start(self) -> None:
+        # The starting thread loaded the model; its OpenMP team would make the engine
+        # thread's own one wake through the kernel (scheduler/runner/openmp.py).
+        release_openmp_workers()
         self.alive = True
         self._thread.start()
 

@@ -27,6 +27,7 @@ from scheduler.runner.decode_graphs import DecodeGraphs
 from scheduler.runner.inputs import build_step_inputs, sampling_metadata
 from scheduler.runner.kv_capacity import plan_kv_capacity
 from scheduler.runner.memory_profile import gpu_kv_budget
+from scheduler.runner.openmp import release_openmp_workers
 from scheduler.step_data import (
     ModelRunnerOutput,
     SampledToken,
@@ -180,14 +181,15 @@ class ModelRunner:
 
     def measure_small_step_threads(self, reps: int = 8) -> int:
         """A step of one or two tokens is hundreds of tiny ops, where every parallel region's
-        fork and join may cost more than it saves: on one 2-core machine a single-sequence
-        decode took 34 ms per step on one thread against 51 on two when run off the main
-        thread, as the engine runs, while with bf16 weights one thread was the slower. So
-        this times a one-token step both ways on a thread of its own and keeps the faster;
-        bigger steps always get every thread."""
+        fork and join may cost more than it saves, or not, depending on the CPU and the
+        weight format. So this times a one-token step both ways on a thread of its own, as
+        the engine runs (with the calling thread's OpenMP team released first, as the
+        engine's start does: scheduler/runner/openmp.py), and keeps the faster; bigger
+        steps always get every thread."""
         if self.device.type != "cpu" or self.max_threads == 1:
             return self.small_step_threads
         timings: dict[int, float] = {}
+        release_openmp_workers()
 
         def measure() -> None:
             batch = Batch.build([[0]], [self.block_size], [[0, 1]], self.block_size, self.device)
