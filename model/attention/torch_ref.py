@@ -84,18 +84,24 @@ def _decode_attention(
     mask: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """softmax(q K^T) V for one query per row, written out: each KV head's group of query
-    heads is one small matrix product, in fp32 whatever the cache holds. On a CPU this is
-    about twice as fast as SDPA's flash kernel at one query (its set-up dominates), and four
-    times with a bf16 cache. queries [B, 1, n_heads, d]; keys, values [B, T, n_kv, d]."""
+    """softmax(q K^T) V for one query per row, written out in fp32 whatever the cache
+    holds: for each KV head, its group of query heads against that head's keys is one
+    batched matrix product, reading the gathered keys through strides. Permuting the
+    gathered keys to [B, kv, d, T] instead made a strided copy of all of them, half of a
+    32-sequence decode step's attention time on a CPU; SDPA's flash kernel is slower still
+    at one query (its set-up dominates). queries [B, 1, n_heads, d]; keys, values
+    [B, T, n_kv, d]."""
     rows, _, n_heads, head_dim = queries.shape
     n_kv = keys.shape[2]
     grouped = queries.view(rows, n_kv, n_heads // n_kv, head_dim).float()
-    scores = torch.matmul(grouped, keys.permute(0, 2, 3, 1).float()) * scale  # [B, kv, rep, T]
-    scores.masked_fill_(~mask.view(rows, 1, 1, -1), float("-inf"))
-    weights = torch.softmax(scores, dim=-1)
-    attn = torch.matmul(weights, values.transpose(1, 2).float())  # [B, kv, rep, d]
-    return attn.reshape(rows, 1, n_heads, head_dim).to(queries.dtype)
+    keys, values = keys.float(), values.float()
+    hidden = ~mask.view(rows, 1, -1)
+    heads = []
+    for head in range(n_kv):
+        scores = torch.bmm(grouped[:, head], keys[:, :, head].transpose(1, 2)) * scale
+        scores.masked_fill_(hidden, float("-inf"))
+        heads.append(torch.bmm(torch.softmax(scores, dim=-1), values[:, :, head]))
+    return torch.stack(heads, dim=1).view(rows, 1, n_heads, head_dim).to(queries.dtype)
 
 
 def _plan_group(batch: Batch, rows: list[int]) -> _Group:
