@@ -331,7 +331,7 @@ def test_fuzz_finds_no_server_error(fuzz_server):
     # The example count bounds the run; derandomized, so CI runs the same requests each time.
     @given(case=cases)
     @settings(
-        max_examples=150,
+        max_examples=100,
         deadline=None,
         derandomize=True,
         database=None,

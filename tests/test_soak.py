@@ -5,7 +5,7 @@ waiting bound, and never another 5xx; no KV block is in use, the engine has no w
 request queue is open; and the process's memory after a second identical round is within
 2% of what it was after the first.
 
-The short form (240 requests) runs by default. LLAMASERVE_SOAK_REQUESTS=5000 adds the long
+The short form (192 requests) runs by default. LLAMASERVE_SOAK_REQUESTS=5000 adds the long
 form; LLAMASERVE_SOAK_SEED picks other traffic (the seed is printed with every failure).
 `pytest -s` shows the summary line."""
 
@@ -32,7 +32,7 @@ from tests.soak_traffic import (
 )
 
 SEED = int(os.environ.get("LLAMASERVE_SOAK_SEED", "20250611"))
-SHORT_REQUESTS = 240
+SHORT_REQUESTS = 192  # 64 a round: two waves and one full burst
 LONG_REQUESTS = int(os.environ.get("LLAMASERVE_SOAK_REQUESTS", "0"))
 MAX_NUM_SEQS = 8
 MAX_WAITING = 8
