@@ -64,11 +64,10 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         qkv = self.qkv_proj(self.input_layernorm(h))
-        q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
-        q = q.view(-1, c.n_heads, c.head_dim)
-        k = k.view(-1, c.n_kv_heads, c.head_dim)
-        v = v.view(-1, c.n_kv_heads, c.head_dim)
-        q, k = apply_rope(q, k, *rope)
+        qk, v = qkv.split([c.q_size + c.kv_size, c.kv_size], dim=-1)
+        qk = apply_rope(qk.reshape(-1, c.n_heads + c.n_kv_heads, c.head_dim), *rope)
+        q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
+        v = v.reshape(-1, c.n_kv_heads, c.head_dim)
         attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=c.head_dim**-0.5)
         out = self.o_proj(attn.reshape(-1, c.q_size))
         h = h + (self.reduce(out) if self.reduce else out)

@@ -27,6 +27,13 @@ class _Group:
     valid: torch.Tensor  # [B, max_q] bool, False for padding queries
     block_tables: torch.Tensor  # [B, blocks needed by the longest row]
     mask: torch.Tensor  # [B, 1, max_q, max_context] bool, True = may attend
+    # Where the valid slots' outputs go among the batch's tokens, and where they are among
+    # the group's B * max_q slots: found once per step, not once per layer.
+    dest: torch.Tensor
+    src: torch.Tensor
+    # The group is the whole batch, every row the same length and in order (all decodes,
+    # or one prefill chunk): its slots are the tokens themselves, nothing to gather.
+    whole: bool
 
 
 @dataclass
@@ -55,13 +62,16 @@ class TorchRefBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        out = torch.empty_like(q)
+        out = None if plan.groups[0].whole else q.new_empty(q.shape)
         n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
         for g in plan.groups:  # at most two: decodes, prefills
-            rows, max_blocks = g.block_tables.shape
+            rows, max_q = g.token_index.shape
             keys = k_cache[g.block_tables].view(rows, -1, n_kv, head_dim)
             values = v_cache[g.block_tables].view(rows, -1, n_kv, head_dim)
-            queries = q[g.token_index]  # [B, max_q, n_heads, head_dim]
+            if g.whole:
+                queries = q.reshape(rows, max_q, *q.shape[1:])
+            else:
+                queries = q[g.token_index]  # [B, max_q, n_heads, head_dim]
             if queries.shape[1] == 1:
                 attn = _decode_attention(queries, keys, values, g.mask, scale)
             else:
@@ -73,7 +83,9 @@ class TorchRefBackend(AttentionBackend):
                     scale=scale,
                     enable_gqa=True,
                 ).transpose(1, 2)
-            out[g.token_index[g.valid]] = attn[g.valid]
+            if g.whole:
+                return attn.reshape(q.shape)
+            out[g.dest] = attn.flatten(0, 1)[g.src]
         return out
 
 
@@ -125,9 +137,16 @@ def _plan_group(batch: Batch, rows: list[int]) -> _Group:
     mask = (keys[None, None, :] <= q_pos[:, :, None]) & (
         keys[None, None, :] < ctx_lens[:, None, None]
     )
+    num_tokens = batch.input_ids.shape[0]
+    whole = len(rows) * max_q == num_tokens and all(
+        batch.query_lens[r] == max_q for r in rows
+    )  # equal lengths summing to the batch: every token, each row's run in order
     return _Group(
         token_index=token_index,
         valid=valid,
         block_tables=batch.block_tables[rows_t, :n_blocks],
         mask=mask.unsqueeze(1),
+        dest=token_index[valid],
+        src=valid.flatten().nonzero().squeeze(1),
+        whole=whole,
     )
