@@ -129,7 +129,7 @@ def load_model(
     elif path.is_file() and path.suffix == ".gguf":
         gguf = open_gguf(path)
         check_tensor_types(gguf)
-        names = {t.name for t in gguf.reader.tensors}
+        names = {t.name for t in gguf.tensors}
         config = ModelConfig.from_gguf_metadata(gguf.metadata, names, source=str(path))
         total = count_gguf_tensors(gguf)
         read_weights = partial(iter_gguf_weights, gguf, config)
@@ -224,7 +224,7 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
         )
     if path.is_file() and path.suffix == ".gguf":
         gguf = open_gguf(path)
-        names = {t.name for t in gguf.reader.tensors}
+        names = {t.name for t in gguf.tensors}
         return ModelConfig.from_gguf_metadata(gguf.metadata, names, source=str(path))
     return None
 

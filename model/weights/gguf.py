@@ -10,7 +10,6 @@ gives no error, only wrong text.
 import re
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from model.config import ModelConfig
@@ -58,15 +57,14 @@ def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 def iter_gguf_weights(
     gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    for tensor in gguf.reader.tensors:
+    for tensor in gguf.tensors:
         if tensor.name in _IGNORED:
             continue
         name = hf_name(tensor.name)
         if name is None:
             raise ModelFileError(f"{gguf.path}: unexpected tensor {tensor.name!r}")
-        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-        # A copy: the reader's arrays are read-only views of the memory-mapped file.
-        raw = torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8).reshape(-1))
+        shape = tuple(reversed(tensor.shape))
+        raw = torch.frombuffer(gguf.read(tensor), dtype=torch.uint8)
         try:
             weight = dequantize(raw, tensor.tensor_type, shape, dtype)
         except UnsupportedQuantType as exc:
@@ -80,7 +78,7 @@ def iter_gguf_weights(
 
 def check_tensor_types(gguf: GGUFFile) -> None:
     """Refuses a file with a tensor we cannot dequantise before anything is loaded."""
-    for tensor in gguf.reader.tensors:
+    for tensor in gguf.tensors:
         if tensor.tensor_type not in SUPPORTED_TYPES:
             raise ModelFileError(
                 f"{gguf.path}: tensor {tensor.name} has quantisation type "
@@ -107,7 +105,7 @@ def linear_weight_bits(gguf: GGUFFile) -> int | None:
     file holds."""
     bits = [
         _TYPE_BITS.get(t.tensor_type.name)
-        for t in gguf.reader.tensors
+        for t in gguf.tensors
         if t.name.endswith(_LINEAR_SUFFIXES)
     ]
     if not bits or None in bits:
@@ -116,4 +114,4 @@ def linear_weight_bits(gguf: GGUFFile) -> int | None:
 
 
 def count_gguf_tensors(gguf: GGUFFile) -> int:
-    return sum(1 for t in gguf.reader.tensors if t.name not in _IGNORED)
+    return sum(1 for t in gguf.tensors if t.name not in _IGNORED)
