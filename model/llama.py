@@ -149,7 +149,9 @@ class Llama(nn.Module):
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
                 model.quantize_linears(quantization)
-        model = model.to_empty(device=device).to(dtype)
+        # The dtype is set while the tensors are still shapes: materialising in fp32 and
+        # then casting held both copies of the embedding at once.
+        model = model.to(dtype).to_empty(device=device)
         for module in model.quantized_modules().values():
             module.to(torch.bfloat16)  # the packed kernels take bf16 scales, whatever `dtype`
         model.tie_weights()  # materialising gives the tied weight two separate storages
