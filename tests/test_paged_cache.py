@@ -33,6 +33,14 @@ def test_a_large_cache_is_resident_only_where_written() -> None:
     )
 
 
+def test_one_block_per_layer_costs_about_one_block_per_layer() -> None:
+    """No huge pages: with them, one written block made 2 MiB of every layer resident."""
+    cache = PagedKVCache.allocate(SMOLLM2, num_blocks=1456, block_size=16)
+    before = rss_bytes()
+    cache.k[:, 0] = 1.0  # 30 blocks of 12 KiB
+    assert rss_bytes() - before < 8 * 2**20
+
+
 def test_every_dtype_starts_at_zero() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         cache = PagedKVCache.allocate(SMOLLM2, num_blocks=3, block_size=16, dtype=dtype)
