@@ -30,6 +30,7 @@ from model.errors import (
     UnsupportedFormatError,
     UnsupportedModelError,
 )
+from model.heap import return_free_heap
 from model.llama import Llama
 from model.parallel.plan import TensorParallel
 from model.presets import preset_config
@@ -171,6 +172,7 @@ def load_model(
         torch.set_num_threads(threads)
     model.eval()
     model.attention = _attention_backend(attention_backend, device)
+    return_free_heap()
     logger.info(
         "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
         name,
