@@ -24,7 +24,6 @@ from model.batch import Batch
 @dataclass
 class _Group:
     token_index: torch.Tensor  # [B, max_q] flat token index of each (row, query) slot
-    valid: torch.Tensor  # [B, max_q] bool, False for padding queries
     block_tables: torch.Tensor  # [B, blocks needed by the longest row]
     mask: torch.Tensor  # [B, 1, max_q, max_context] bool, True = may attend
     # Where the valid slots' outputs go among the batch's tokens, and where they are among
@@ -143,7 +142,6 @@ def _plan_group(batch: Batch, rows: list[int]) -> _Group:
     )  # equal lengths summing to the batch: every token, each row's run in order
     return _Group(
         token_index=token_index,
-        valid=valid,
         block_tables=batch.block_tables[rows_t, :n_blocks],
         mask=mask.unsqueeze(1),
         dest=token_index[valid],
