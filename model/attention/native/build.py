@@ -1,0 +1,99 @@
+"""Builds the C kernels beside this file into a shared library for this machine, once, and
+loads them with ctypes.
+
+C rather than a PyTorch extension: plain C with no PyTorch headers compiles in about a
+second with the system's compiler, so the library is simply built where it runs, with
+`-march=native`, and cached by source, compiler flags and CPU. A machine without a C
+compiler gets `NativeUnavailable` saying so, and the caller falls back to plain PyTorch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from functools import cache
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+# Reassociation lets the compiler vectorise the dot products and sums; the order is then
+# fixed in the binary, the same for every call.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fPIC",
+    "-shared",
+    "-fno-math-errno",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-fno-trapping-math",
+)
+BUILD_TIMEOUT_S = 120
+
+
+class NativeUnavailable(RuntimeError):
+    """The kernels cannot be built or loaded here; the message says why."""
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "llamaserve" / "native"
+
+
+@cache
+def load_library() -> ctypes.CDLL:
+    """The built library, built first when this machine has none yet."""
+    if platform.system() != "Linux":
+        raise NativeUnavailable(f"native kernels are built on Linux only, not {platform.system()}")
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *FLAGS)).encode() + _cpu_id()).hexdigest()
+    target = cache_dir() / f"{SOURCE.stem}-{key[:16]}.so"
+    if not target.exists():
+        _build(compiler, target)
+    try:
+        return ctypes.CDLL(str(target))
+    except OSError as exc:
+        raise NativeUnavailable(f"cannot load {target}: {exc}") from None
+
+
+def _build(compiler: str, target: Path) -> None:
+    started = time.perf_counter()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built under a temporary name and renamed: a concurrent start-up never loads half a file.
+    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    command = [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"]
+    try:
+        result = subprocess.run(
+            command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False
+        )
+        if result.returncode != 0:
+            raise NativeUnavailable(f"{' '.join(command)} failed: {result.stderr.strip()[:500]}")
+        os.replace(partial, target)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise NativeUnavailable(f"cannot build {SOURCE.name}: {exc}") from None
+    finally:
+        Path(partial).unlink(missing_ok=True)
+    logger.info("built %s in %.1f s", target, time.perf_counter() - started)
+
+
+def _cpu_id() -> bytes:
+    """What `-march=native` depends on: a library built on one CPU must not be loaded on
+    another that shares the cache directory."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.machine().encode()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
+    return "\n".join(wanted).encode()

@@ -1,0 +1,124 @@
+/* Decode attention over a paged KV cache, for the CPU: one query token per sequence.
+ *
+ * Each (sequence, KV head) pair reads its keys and values in place, block by block through
+ * the block table, once: scores for the query heads sharing that KV head, a softmax over
+ * the sequence's own length, then the weighted sum of the values, all in fp32. Nothing is
+ * gathered or padded, and a sequence's result depends on its own data alone, computed in
+ * the same order whatever else is in the batch. Built at run time for the machine it runs
+ * on (model/attention/native/build.py); it runs on the caller's thread.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 32
+
+static inline float from_bf16(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even; values are finite */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Element i of a bf16 or fp32 array: `bf16` is a constant in each caller, so every
+ * loop below is compiled twice, once per type, with no branch inside. */
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void store(void *p, int64_t i, float x, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+/* Softmax of s[0..len) in place. */
+static void softmax(float *s, int64_t len) {
+    float top = s[0], total = 0.0f;
+    for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
+    for (int64_t t = 0; t < len; t++) {
+        s[t] = expf(s[t] - top);
+        total += s[t];
+    }
+    for (int64_t t = 0; t < len; t++) s[t] /= total;
+}
+
+/* q [rows, q_row_stride] (each row's n_heads x head_dim contiguous); caches
+ * [blocks, block_size, n_kv, head_dim]; block_tables [rows, table_stride]; out
+ * [rows, n_heads, head_dim]. Returns 0, or 1 for shapes past the fixed buffers, 2 when
+ * out of memory. */
+static inline __attribute__((always_inline)) int paged_decode(
+    const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
+    const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, void *out,
+    int64_t rows, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t block_size,
+    float scale, int bf16) {
+    const int64_t group = n_heads / n_kv;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP) return 1;
+    const int64_t token_stride = n_kv * head_dim, block_stride = block_size * token_stride;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; r++) longest = seq_lens[r] > longest ? seq_lens[r] : longest;
+    float *scores = malloc(sizeof(float) * group * longest);
+    if (!scores) return 2;
+    float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], x[MAX_HEAD_DIM];
+
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t len = seq_lens[r], *table = block_tables + r * table_stride;
+        for (int64_t h = 0; h < n_kv; h++) {
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t first = r * q_row_stride + (h * group + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) qf[g][d] = load(q, first + d, bf16) * scale;
+            }
+            for (int64_t t = 0; t < len; t++) { /* scores: q . k for each query head */
+                const int64_t first = table[t / block_size] * block_stride +
+                                      (t % block_size) * token_stride + h * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) x[d] = load(k_cache, first + d, bf16);
+                for (int64_t g = 0; g < group; g++) {
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * x[d];
+                    scores[g * len + t] = dot;
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                softmax(scores + g * len, len);
+                memset(acc[g], 0, sizeof(float) * head_dim);
+            }
+            for (int64_t t = 0; t < len; t++) { /* the weighted sum of the values */
+                const int64_t first = table[t / block_size] * block_stride +
+                                      (t % block_size) * token_stride + h * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) x[d] = load(v_cache, first + d, bf16);
+                for (int64_t g = 0; g < group; g++) {
+                    const float p = scores[g * len + t];
+                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * x[d];
+                }
+            }
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t first = (r * n_heads + h * group + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) store(out, first + d, acc[g][d], bf16);
+            }
+        }
+    }
+    free(scores);
+    return 0;
+}
+
+#define ARGS                                                                               \
+    const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,         \
+        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,         \
+        void *out, int64_t rows, int64_t n_heads, int64_t n_kv, int64_t head_dim,           \
+        int64_t block_size, float scale
+#define PASS                                                                               \
+    q, q_row_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, rows,     \
+        n_heads, n_kv, head_dim, block_size, scale
+
+int paged_decode_bf16(ARGS) { return paged_decode(PASS, 1); }
+int paged_decode_f32(ARGS) { return paged_decode(PASS, 0); }

@@ -1,0 +1,133 @@
+"""The C decode-attention kernel (`cpu_paged`): logits decoded token by token against
+`transformers` on tiny checkpoints of each head layout; each attention output against the
+plain-PyTorch reference, in fp32 and bf16, for decodes mixed with a prefill; a sequence's
+output bit for bit the same alone and in a batch; and the fallback where no C compiler is
+found. Under CI the kernel must build (the CI script installs a compiler)."""
+
+import logging
+import os
+import shutil
+
+import pytest
+import torch
+
+from model.attention import attention_backend
+from model.attention.cpu_paged import CpuPagedBackend
+from model.attention.native import build
+from model.attention.torch_ref import TorchRefBackend
+from model.batch import Batch
+from model.config import ModelConfig
+from model.llama import Llama
+from model.weights.safetensors import iter_safetensors, safetensors_files
+from tests.test_llama import BLOCK, Blocks, cache_for, hf_logits
+from tests.tiny_models import make_tiny_llama
+
+if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
+    pytest.skip("no C compiler to build the kernel", allow_module_level=True)
+
+N_HEADS, N_KV, HEAD_DIM = 6, 2, 64
+
+
+@pytest.mark.parametrize("heads", ["mha", "gqa", "mqa"])
+def test_decode_logits_match_transformers(heads: str, tmp_path) -> None:
+    hf = make_tiny_llama(tmp_path, heads=heads)
+    config = ModelConfig.from_hf_dir(tmp_path)
+    ours = Llama.empty(config)
+    ours.load_weights(iter_safetensors(safetensors_files(tmp_path), torch.float32))
+    ours.attention = attention_backend("cpu_paged", "cpu")
+    ids = torch.randint(0, 512, (29,), generator=torch.Generator().manual_seed(3)).tolist()
+    cache = cache_for(ours, "cpu")
+    table = Blocks().take(len(ids))
+    steps = [ours(Batch.build([[t]], [i], [table], BLOCK), cache) for i, t in enumerate(ids)]
+    assert (torch.cat(steps) - hf_logits(hf, ids)).abs().max().item() < 1e-4
+
+
+def _random_step(dtype: torch.dtype, seq_lens: list[int], prefill: int, seed: int = 0):
+    """A step of one-token decodes with `seq_lens` tokens of context (the new one
+    included), then one prefill of `prefill` tokens over 9 cached ones, over a cache full
+    of random K/V, in blocks handed out in a scattered order."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 64
+    shape = (num_blocks + 1, BLOCK, N_KV, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=g).to(dtype)
+    v_cache = torch.randn(shape, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables, tokens, computed = [], [], []
+    for length, new in [*((n, 1) for n in seq_lens), (9 + prefill, prefill)]:
+        n = -(-length // BLOCK)
+        tables.append(order[:n])
+        order = order[n:]
+        tokens.append([0] * new)
+        computed.append(length - new)
+    batch = Batch.build(tokens, computed, tables, BLOCK, null_block=num_blocks)
+    t = batch.num_tokens
+    q = torch.randn(t, N_HEADS, HEAD_DIM, generator=g).to(dtype)
+    k = torch.randn(t, N_KV, HEAD_DIM, generator=g).to(dtype)
+    v = torch.randn(t, N_KV, HEAD_DIM, generator=g).to(dtype)
+    return batch, q, k, v, k_cache, v_cache
+
+
+def _attend(backend, batch, q, k, v, k_cache, v_cache) -> torch.Tensor:
+    with torch.inference_mode():
+        plan = backend.plan(batch)
+        return backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, plan, 0.125)
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_attention_matches_reference(dtype: torch.dtype, tol: float) -> None:
+    step = _random_step(dtype, seq_lens=[1, 4, 5, 16, 17, 70], prefill=6)
+    got = _attend(CpuPagedBackend(), *step)
+    want = _attend(TorchRefBackend(), *step)
+    assert got.dtype == want.dtype == dtype
+    # bf16 outputs are rounded from fp32 in both: at most a unit in the last place apart.
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    decodes_only = _random_step(dtype, seq_lens=[3, 40], prefill=1)  # a whole-batch group
+    torch.testing.assert_close(
+        _attend(CpuPagedBackend(), *decodes_only).float(),
+        _attend(TorchRefBackend(), *decodes_only).float(),
+        atol=tol,
+        rtol=tol,
+    )
+
+
+def test_sequence_alone_equals_in_batch() -> None:
+    backend = CpuPagedBackend()
+    lens = [33, 7, 130, 16, 1]
+    batch, q, k, v, k_cache, v_cache = _random_step(torch.bfloat16, lens, prefill=4)
+    together = _attend(backend, batch, q, k, v, k_cache, v_cache)
+    for row, length in enumerate(lens):
+        table = batch.block_tables[row, : -(-length // BLOCK)].tolist()
+        alone = Batch.build([[0]], [length - 1], [table], BLOCK)
+        one = _attend(
+            backend, alone, q[row : row + 1], k[row : row + 1], v[row : row + 1], k_cache, v_cache
+        )
+        assert torch.equal(one[0], together[row]), row
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """A kernel cache of its own, and no library loaded yet in this process."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    build.load_library.cache_clear()
+    yield tmp_path
+    build.load_library.cache_clear()
+
+
+def test_built_once_per_machine(fresh_build) -> None:
+    build.load_library()
+    built = list(build.cache_dir().glob("*.so"))
+    assert len(built) == 1 and build.cache_dir().is_relative_to(fresh_build)
+    mtime = built[0].stat().st_mtime_ns
+    build.load_library.cache_clear()
+    build.load_library()
+    assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
+
+
+def test_without_compiler_falls_back_to_reference(fresh_build, monkeypatch, caplog) -> None:
+    monkeypatch.setenv("CC", str(fresh_build / "no-such-compiler"))
+    with caplog.at_level(logging.WARNING):
+        backend = attention_backend("auto", "cpu")
+    assert backend.name == "torch_ref"
+    assert "no-such-compiler" in caplog.text
+    with pytest.raises(ValueError, match="cpu_paged attention backend is unavailable"):
+        attention_backend("cpu_paged", "cpu")
