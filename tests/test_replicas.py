@@ -178,13 +178,19 @@ async def while_streaming(base: str, busy: str, act, count: int = 6) -> list[dic
     """Starts `count` long streams through the router, runs `act()` once replica `busy`
     is generating, and returns how each stream ended."""
     async with httpx.AsyncClient(timeout=60) as client:
-        jobs = [
-            asyncio.create_task(stream(client, base, distinct_prompt(i), 200)) for i in range(count)
-        ]
-        while metric(busy, "num_requests_running") == 0:
-            await asyncio.sleep(0.05)
-        act()
-        return await asyncio.gather(*jobs)
+        for _ in range(5):
+            jobs = [
+                asyncio.create_task(stream(client, base, distinct_prompt(i), 200))
+                for i in range(count)
+            ]
+            while not all(job.done() for job in jobs):
+                if metric(busy, "num_requests_running") > 0:
+                    act()
+                    return await asyncio.gather(*jobs)
+                await asyncio.sleep(0.05)
+            # Every stream ended before `busy` was seen generating (routed elsewhere while
+            # its health was in doubt, or done between two looks): another round.
+    raise AssertionError(f"{busy} was never seen generating")
 
 
 def test_a_killed_replica_is_routed_around_rejoins_and_drains_on_sigterm(tiny, tmp_path) -> None:

@@ -25,10 +25,13 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("paged_decode.c")
 # Reassociation lets the compiler vectorise the dot products and sums; the order is then
-# fixed in the binary, the same for every call.
+# fixed in the binary, the same for every call. OpenMP: the library needs `libgomp.so.1`,
+# which the dynamic loader finds already loaded (PyTorch's CPU wheels ship it under that
+# name), so the kernel shares PyTorch's threads rather than starting its own.
 FLAGS = (
     "-O3",
     "-march=native",
+    "-fopenmp",
     "-fPIC",
     "-shared",
     "-fno-math-errno",

@@ -5,7 +5,8 @@
  * the sequence's own length, then the weighted sum of the values, all in fp32. Nothing is
  * gathered or padded, and a sequence's result depends on its own data alone, computed in
  * the same order whatever else is in the batch. Built at run time for the machine it runs
- * on (model/attention/native/build.py); it runs on the caller's thread.
+ * on (model/attention/native/build.py). The pairs are shared among the calling thread's
+ * OpenMP team: PyTorch's own, as the library links the libgomp PyTorch has loaded.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -67,38 +68,49 @@ static inline __attribute__((always_inline)) int paged_decode(
     const int64_t token_stride = n_kv * head_dim, block_stride = block_size * token_stride;
     int64_t longest = 1;
     for (int64_t r = 0; r < rows; r++) longest = seq_lens[r] > longest ? seq_lens[r] : longest;
-    float *scores = malloc(sizeof(float) * group * longest);
-    if (!scores) return 2;
-    float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], x[MAX_HEAD_DIM];
+    int failed = 0;
 
-    for (int64_t r = 0; r < rows; r++) {
-        const int64_t len = seq_lens[r], *table = block_tables + r * table_stride;
-        for (int64_t h = 0; h < n_kv; h++) {
+    /* One (sequence, KV head) pair per iteration, each whole on one thread. */
+#pragma omp parallel reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * group * longest);
+        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM], x[MAX_HEAD_DIM];
+        failed = scores == NULL;
+#pragma omp for schedule(static, 1)
+        for (int64_t pair = 0; pair < rows * n_kv; pair++) {
+            if (failed) continue;
+            const int64_t r = pair / n_kv, h = pair % n_kv;
+            const int64_t len = seq_lens[r], *table = block_tables + r * table_stride;
             for (int64_t g = 0; g < group; g++) {
                 const int64_t first = r * q_row_stride + (h * group + g) * head_dim;
                 for (int64_t d = 0; d < head_dim; d++) qf[g][d] = load(q, first + d, bf16) * scale;
             }
-            for (int64_t t = 0; t < len; t++) { /* scores: q . k for each query head */
-                const int64_t first = table[t / block_size] * block_stride +
-                                      (t % block_size) * token_stride + h * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) x[d] = load(k_cache, first + d, bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    float dot = 0.0f;
-                    for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * x[d];
-                    scores[g * len + t] = dot;
+            /* Blocks in table order, tokens in block order: no division per token. */
+            for (int64_t b = 0, t = 0; t < len; b++) { /* scores: q . k per query head */
+                const int64_t base = table[b] * block_stride + h * head_dim;
+                for (int64_t i = 0; i < block_size && t < len; i++, t++) {
+                    const int64_t first = base + i * token_stride;
+                    for (int64_t d = 0; d < head_dim; d++) x[d] = load(k_cache, first + d, bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        float dot = 0.0f;
+                        for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * x[d];
+                        scores[g * len + t] = dot;
+                    }
                 }
             }
             for (int64_t g = 0; g < group; g++) {
                 softmax(scores + g * len, len);
                 memset(acc[g], 0, sizeof(float) * head_dim);
             }
-            for (int64_t t = 0; t < len; t++) { /* the weighted sum of the values */
-                const int64_t first = table[t / block_size] * block_stride +
-                                      (t % block_size) * token_stride + h * head_dim;
-                for (int64_t d = 0; d < head_dim; d++) x[d] = load(v_cache, first + d, bf16);
-                for (int64_t g = 0; g < group; g++) {
-                    const float p = scores[g * len + t];
-                    for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * x[d];
+            for (int64_t b = 0, t = 0; t < len; b++) { /* the weighted sum of the values */
+                const int64_t base = table[b] * block_stride + h * head_dim;
+                for (int64_t i = 0; i < block_size && t < len; i++, t++) {
+                    const int64_t first = base + i * token_stride;
+                    for (int64_t d = 0; d < head_dim; d++) x[d] = load(v_cache, first + d, bf16);
+                    for (int64_t g = 0; g < group; g++) {
+                        const float p = scores[g * len + t];
+                        for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * x[d];
+                    }
                 }
             }
             for (int64_t g = 0; g < group; g++) {
@@ -106,9 +118,9 @@ static inline __attribute__((always_inline)) int paged_decode(
                 for (int64_t d = 0; d < head_dim; d++) store(out, first + d, acc[g][d], bf16);
             }
         }
+        free(scores);
     }
-    free(scores);
-    return 0;
+    return failed ? 2 : 0;
 }
 
 #define ARGS                                                                               \
