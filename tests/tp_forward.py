@@ -59,6 +59,11 @@ def main() -> None:
         results.append(logits_of_fixed_steps(loaded.model, loaded.config.vocab_size))
     if args.rank == 0:
         torch.save(results if len(results) > 1 else results[0], args.out)
+    if tp is not None:
+        # Every rank tears gloo down together: a rank that left while rank 0 was still
+        # saving once aborted in gloo's teardown ("terminate called without an active
+        # exception").
+        torch.distributed.barrier()
     close_distributed()
 
 
