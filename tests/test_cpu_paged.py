@@ -2,7 +2,8 @@
 `transformers` on tiny checkpoints of each head layout; each attention output against the
 plain-PyTorch reference, in fp32 and bf16, for decodes mixed with a prefill; a sequence's
 output bit for bit the same alone and in a batch; and the fallback where no C compiler is
-found. Under CI the kernel must build (the CI script installs a compiler)."""
+found or the cache directory cannot be written. Under CI the kernel must build (the CI
+script installs a compiler)."""
 
 import logging
 import os
@@ -131,3 +132,10 @@ def test_without_compiler_falls_back_to_reference(fresh_build, monkeypatch, capl
     assert "no-such-compiler" in caplog.text
     with pytest.raises(ValueError, match="cpu_paged attention backend is unavailable"):
         attention_backend("cpu_paged", "cpu")
+
+
+def test_unwritable_cache_falls_back_to_reference(fresh_build, monkeypatch) -> None:
+    blocker = fresh_build / "not-a-directory"
+    blocker.write_text("")  # the cache directory would have to be created inside a file
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
+    assert attention_backend("auto", "cpu").name == "torch_ref"

@@ -72,10 +72,16 @@ def load_library() -> ctypes.CDLL:
 
 def _build(compiler: str, target: Path) -> None:
     started = time.perf_counter()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built under a temporary name and renamed: a concurrent start-up never loads half a file.
-    fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        # Built under a temporary name and renamed: a concurrent start-up never loads half
+        # a file.
+        fd, partial = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+    except OSError as exc:
+        raise NativeUnavailable(
+            f"cannot write to {target.parent} ({exc.strerror}); XDG_CACHE_HOME chooses another"
+        ) from None
     command = [compiler, *FLAGS, "-o", partial, str(SOURCE), "-lm"]
     try:
         result = subprocess.run(
