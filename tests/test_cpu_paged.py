@@ -139,3 +139,11 @@ def test_unwritable_cache_falls_back_to_reference(fresh_build, monkeypatch) -> N
     blocker.write_text("")  # the cache directory would have to be created inside a file
     monkeypatch.setenv("XDG_CACHE_HOME", str(blocker))
     assert attention_backend("auto", "cpu").name == "torch_ref"
+
+
+def test_loading_keeps_denormals(fresh_build) -> None:
+    """Compiled with fast math, the library must not turn on flush-to-zero for the process
+    (gcc 12 links a constructor doing so into a library linked with -ffast-math)."""
+    tiny = torch.tensor([1e-40])  # a float32 denormal
+    build.load_library()
+    assert (tiny * 1.0).item() > 0
