@@ -34,9 +34,9 @@ def test_the_fastest_candidate_wins() -> None:
 
 
 def test_a_near_tie_goes_to_the_more_compact_format() -> None:
-    timings = {FP32: 138.0, BF16: 34.0, INT8: 38.0, INT4: 35.0}  # int4 within 10% of bf16
+    timings = {FP32: 138.0, BF16: 34.0, INT8: 45.0, INT4: 41.0}  # int4 within 25% of bf16
     assert choose_weight_format([FP32, BF16, INT8, INT4], timings.__getitem__) == INT4
-    timings[INT4] = 40.0
+    timings[INT4] = 44.0
     assert choose_weight_format([FP32, BF16, INT8, INT4], timings.__getitem__) == BF16
 
 
