@@ -4,8 +4,8 @@ The reference gathers each decoding sequence's padded context into a new tensor,
 to fp32 and runs two batched products per KV head: several passes over the whole context,
 per layer and per step, so a step's host work grows with context length (at 8 sequences
 of 400 tokens it was half the step). The C kernel (native/paged_decode.c) walks each
-sequence's block table once, in fp32, 4-6x faster per layer than the reference on a
-2-core AVX-512 machine.
+sequence's block table once, in fp32; on a 2-core AVX-512 machine it reads K/V at close
+to memory bandwidth, and decode steps of 16 sequences of 550 tokens went from 184 to 76 ms.
 
 Prefill chunks keep the reference's SDPA path: they are long enough that the gather is a
 small share of their work. A sequence's result does not depend on the rest of its batch
