@@ -32,6 +32,7 @@ from model.errors import (
 )
 from model.heap import return_free_heap
 from model.llama import Llama
+from model.native.ops import NativeRmsNorm
 from model.parallel.plan import TensorParallel
 from model.presets import preset_config
 from model.text.chat_template import ChatTemplate
@@ -171,7 +172,7 @@ def load_model(
     finally:
         torch.set_num_threads(threads)
     model.eval()
-    model.attention = _attention_backend(attention_backend, device)
+    _use_kernels(model, attention_backend, device)
     return_free_heap()
     logger.info(
         "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
@@ -229,6 +230,15 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
         names = {t.name for t in gguf.tensors}
         return ModelConfig.from_gguf_metadata(gguf.metadata, names, source=str(path))
     return None
+
+
+def _use_kernels(model: Llama, attention_backend: str, device: str) -> None:
+    """The attention backend, and with the CPU's C attention the C RMSNorm too: both come
+    from one library, and `--attention-backend torch_ref` keeps the whole forward in
+    plain PyTorch, the reference."""
+    model.attention = _attention_backend(attention_backend, device)
+    if model.attention.name == "cpu_paged":
+        model.use_native_norm(NativeRmsNorm())
 
 
 def _attention_backend(name: str, device: str) -> AttentionBackend:
@@ -300,7 +310,7 @@ def load_random_model(
     model = Llama.random(
         config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization, tp=tp
     )
-    model.attention = _attention_backend(attention_backend, device)
+    _use_kernels(model, attention_backend, device)
     logger.info(
         "built %s with random weights: %.1fM parameters, %s on %s, %s attention, in %.1f s "
         "(tokenizer: %s)",

@@ -14,11 +14,11 @@ import torch
 
 from model.attention import attention_backend
 from model.attention.cpu_paged import CpuPagedBackend
-from model.attention.native import build
 from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
 from model.config import ModelConfig
 from model.llama import Llama
+from model.native import build
 from model.weights.safetensors import iter_safetensors, safetensors_files
 from tests.test_llama import BLOCK, Blocks, cache_for, hf_logits
 from tests.tiny_models import make_tiny_llama

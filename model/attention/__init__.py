@@ -12,8 +12,8 @@ import torch
 from model.attention.base import AttentionBackend
 from model.attention.cpu_paged import CpuPagedBackend
 from model.attention.kernels import interpreting
-from model.attention.native.build import NativeUnavailable
 from model.attention.torch_ref import TorchRefBackend
+from model.native.build import NativeUnavailable
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The reference gathers each decoding sequence's padded context into a new tensor, casts it
 to fp32 and runs two batched products per KV head: several passes over the whole context,
 per layer and per step, so a step's host work grows with context length (at 8 sequences
-of 400 tokens it was half the step). The C kernel (native/paged_decode.c) walks each
+of 400 tokens it was half the step). The C kernel (model/native/paged_decode.c) walks each
 sequence's block table once, in fp32; on a 2-core AVX-512 machine it reads K/V at close
 to memory bandwidth, and decode steps of 16 sequences of 550 tokens went from 184 to 76 ms.
 
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.attention.native.build import load_library
 from model.attention.torch_ref import TorchRefBackend, TorchRefPlan, _Group
 from model.batch import Batch
+from model.native.build import load_library
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
@@ -33,7 +33,7 @@ class CpuPagedPlan(TorchRefPlan):
 
 
 class CpuPagedBackend(TorchRefBackend):
-    """Raises NativeUnavailable (model/attention/native/build.py) where the kernel cannot
+    """Raises NativeUnavailable (model/native/build.py) where the kernel cannot
     be built."""
 
     name = "cpu_paged"

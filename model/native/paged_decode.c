@@ -5,7 +5,7 @@
  * the sequence's own length, then the weighted sum of the values, all in fp32. Nothing is
  * gathered or padded, and a sequence's result depends on its own data alone, computed in
  * the same order whatever else is in the batch. Built at run time for the machine it runs
- * on (model/attention/native/build.py). The pairs are shared among the calling thread's
+ * on (model/native/build.py). The pairs are shared among the calling thread's
  * OpenMP team: PyTorch's own, as the library links the libgomp PyTorch has loaded.
  */
 #include <stdint.h>
@@ -13,35 +13,10 @@
 #include <string.h>
 #include <math.h>
 
+#include "bf16.h"
+
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
-
-static inline float from_bf16(uint16_t x) {
-    uint32_t bits = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even; values are finite */
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return (uint16_t)(bits >> 16);
-}
-
-/* Element i of a bf16 or fp32 array: `bf16` is a constant in each caller, so every
- * loop below is compiled twice, once per type, with no branch inside. */
-static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int bf16) {
-    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline __attribute__((always_inline)) void store(void *p, int64_t i, float x, int bf16) {
-    if (bf16)
-        ((uint16_t *)p)[i] = to_bf16(x);
-    else
-        ((float *)p)[i] = x;
-}
 
 /* Softmax of s[0..len) in place. */
 static void softmax(float *s, int64_t len) {

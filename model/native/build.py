@@ -1,5 +1,5 @@
-"""Builds the C kernels beside this file into a shared library for this machine, once, and
-loads them with ctypes.
+"""Builds the C kernels beside this file (decode attention, RMSNorm) into one shared library
+for this machine, once, and loads it with ctypes.
 
 C rather than a PyTorch extension: plain C with no PyTorch headers compiles in about a
 second with the system's compiler, so the library is simply built where it runs, with
@@ -23,7 +23,9 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
+HERE = Path(__file__).parent
+SOURCES = ("paged_decode.c", "rms_norm.c")
+HEADERS = ("bf16.h",)
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every
 # call. It is for compiling only: linked with it, gcc before 13 adds a constructor that
@@ -53,10 +55,10 @@ def load_library() -> ctypes.CDLL:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
-    source = SOURCE.read_bytes()
+    text = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))
     flags = " ".join((compiler, *COMPILE_FLAGS, *LINK_FLAGS)).encode()
-    key = hashlib.sha256(source + flags + _cpu_id()).hexdigest()
-    target = cache_dir() / f"{SOURCE.stem}-{key[:16]}.so"
+    key = hashlib.sha256(text + flags + _cpu_id()).hexdigest()
+    target = cache_dir() / f"kernels-{key[:16]}.so"
     if not target.exists():
         _build(compiler, target)
     try:
@@ -77,10 +79,12 @@ def _build(compiler: str, target: Path) -> None:
         raise NativeUnavailable(
             f"cannot write to {target.parent} ({exc.strerror}); XDG_CACHE_HOME chooses another"
         ) from None
+    objects = [f"{partial}.{Path(name).stem}.o" for name in SOURCES]
     steps = [
-        [compiler, *COMPILE_FLAGS, "-c", "-o", f"{partial}.o", str(SOURCE)],
-        [compiler, *LINK_FLAGS, "-o", partial, f"{partial}.o", "-lm"],
+        [compiler, *COMPILE_FLAGS, "-c", "-o", obj, str(HERE / name)]
+        for name, obj in zip(SOURCES, objects, strict=True)
     ]
+    steps.append([compiler, *LINK_FLAGS, "-o", partial, *objects, "-lm"])
     try:
         for command in steps:
             result = subprocess.run(
@@ -91,10 +95,10 @@ def _build(compiler: str, target: Path) -> None:
                 raise NativeUnavailable(f"{' '.join(command)} failed: {stderr}")
         os.replace(partial, target)
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise NativeUnavailable(f"cannot build {SOURCE.name}: {exc}") from None
+        raise NativeUnavailable(f"cannot build {target.name}: {exc}") from None
     finally:
-        Path(partial).unlink(missing_ok=True)
-        Path(f"{partial}.o").unlink(missing_ok=True)
+        for path in (partial, *objects):
+            Path(path).unlink(missing_ok=True)
     logger.info("built %s in %.1f s", target, time.perf_counter() - started)
 
 

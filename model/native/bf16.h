@@ -1,0 +1,41 @@
+/* bf16 and fp32 element access shared by the kernels: each kernel is written once over
+ * `load`/`store` with a constant `bf16` flag and compiled once per type. */
+#ifndef LLAMASERVE_BF16_H
+#define LLAMASERVE_BF16_H
+
+#include <stdint.h>
+#include <string.h>
+
+static inline float from_bf16(uint16_t x) {
+    uint32_t bits = (uint32_t)x << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint16_t to_bf16(float f) { /* round to nearest even; values are finite */
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return (uint16_t)(bits >> 16);
+}
+
+/* Element i of a bf16 or fp32 array: `bf16` is a constant in each caller, so every loop
+ * over it is compiled twice, once per type, with no branch inside. */
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, int bf16) {
+    return bf16 ? from_bf16(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void store(void *p, int64_t i, float x, int bf16) {
+    if (bf16)
+        ((uint16_t *)p)[i] = to_bf16(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+/* x as the array's type would hold it. */
+static inline __attribute__((always_inline)) float round_to(float x, int bf16) {
+    return bf16 ? from_bf16(to_bf16(x)) : x;
+}
+
+#endif
