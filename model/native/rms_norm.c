@@ -3,7 +3,7 @@
  * The same formula as the model's PyTorch RMSNorm (model/llama.py), including its
  * roundings in bf16: the normalised row is rounded to bf16 before the weight multiplies it,
  * as `weight * normed.to(bf16)` does. One call instead of about nine small ops per norm,
- * sixty-one norms per forward: at one token per step those ops were a tenth of the step.
+ * sixty-one norms per forward of the default model: 0.5-2.7 ms per decode step on 2 cores.
  * Each row is computed alone, in the same order whatever the batch.
  */
 #include <math.h>
