@@ -1,6 +1,8 @@
 """Weight-only quantised linear layers for the CPU: int8 (one scale per output row) and
-int4 (groups of 32 along the input, a scale and a zero each), on PyTorch's packed kernels
-(`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`) with bf16 activations.
+int4 (groups of 32 along the input, a scale and a zero each), with bf16 activations. int8
+runs on PyTorch's packed kernel (`_weight_int8pack_mm`); int4 on ours in C
+(model/native/int4_matmul.c) or PyTorch's (`_weight_int4pack_mm_for_cpu`), whichever is
+faster for the layer's shape on this machine (model/int4_kernel.py).
 
 Weights arrive in rows (a fused QKV weight as its Q, K and V parts) and are quantised as
 they come, from the checkpoint's own values, so no full-precision copy of the model is
@@ -15,6 +17,8 @@ import torch
 from torch import nn
 
 from model.errors import UnsupportedFormatError
+from model.int4_kernel import INT4_KERNELS, choose_int4_kernel
+from model.native.ops import NativeInt4Matmul
 
 INT4_GROUP = 32
 QUANTIZATIONS = ("int8", "int4")
@@ -97,15 +101,28 @@ class Int8Linear(QuantizedLinear):
 
 
 class Int4Linear(QuantizedLinear):
-    """Asymmetric int4 in groups of 32 input columns: w = (q - 8) * scale + zero."""
+    """Asymmetric int4 in groups of 32 input columns: w = (q - 8) * scale + zero.
 
-    def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
+    kernel: "native" (C, its own tiled layout), "torch" (PyTorch's packed layout), or None
+    to take the faster for this shape, timed once per process."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        device: torch.device | str,
+        kernel: str | None = None,
+    ) -> None:
         if in_features % INT4_GROUP or out_features % 16:
             raise UnsupportedFormatError(
                 f"int4 needs in_features divisible by {INT4_GROUP} and out_features by 16, "
                 f"got [{out_features}, {in_features}]"
             )
+        if kernel is not None and kernel not in INT4_KERNELS:
+            raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {INT4_KERNELS}")
         super().__init__(in_features, out_features, device)
+        self.kernel = kernel
+        self._native: NativeInt4Matmul | None = None
         groups = in_features // INT4_GROUP
         self.register_buffer(
             "scales_and_zeros",
@@ -130,15 +147,30 @@ class Int4Linear(QuantizedLinear):
         self.scales_and_zeros[:, row : row + rows] = pairs.to(torch.bfloat16)
 
     def _pack(self) -> None:
-        q = self._staging.to(torch.int32)
-        self.weight_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        if self.kernel is None:
+            self.kernel = choose_int4_kernel(self.in_features, self.out_features, self.device)
+        if self.kernel == "native":
+            self._native = NativeInt4Matmul()
+            # Replaced, not kept beside: the weight exists once, in the kernel's layout.
+            self.weight_int4, self.scales_and_zeros = self._native.pack(
+                self._staging, self.scales_and_zeros
+            )
+        else:
+            q = self._staging.to(torch.int32)
+            self.weight_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            flat, self.weight_int4, INT4_GROUP, self.scales_and_zeros
-        )
+        if self._native is not None:
+            out = self._native(flat, self.weight_int4, self.scales_and_zeros, self.out_features)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat, self.weight_int4, INT4_GROUP, self.scales_and_zeros
+            )
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, kernel={self.kernel}"
 
 
 def quantized_linear(

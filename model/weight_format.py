@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,6 +25,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
 from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, quantized_linear
+from model.timing import best_ms
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,8 @@ def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) 
     for rows in MEASURED_BATCH_SIZES:
         inputs = [torch.randn(rows, i, device=device, dtype=fmt.dtype) for i, _ in shapes]
         x_head = torch.randn(rows, config.dim, device=device, dtype=fmt.dtype)
-        layer_ms = _best_ms(partial(_run_layers, layers, inputs))
-        head_ms = _best_ms(partial(F.linear, x_head, head)) * config.vocab_size / head_rows
+        layer_ms = best_ms(partial(_run_layers, layers, inputs))
+        head_ms = best_ms(partial(F.linear, x_head, head)) * config.vocab_size / head_rows
         step_ms = layer_ms * config.n_layers + head_ms
         log_total += math.log(step_ms)
     # A geometric mean: a format twice as fast at one batch size and half as fast at another
@@ -147,18 +147,6 @@ def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) 
 def _run_layers(layers: list[Callable[[torch.Tensor], torch.Tensor]], inputs: list) -> None:
     for layer, x in zip(layers, inputs, strict=True):
         layer(x)
-
-
-def _best_ms(run: Callable[[], object], reps: int = 3) -> float:
-    """The best of a few timed runs after a warm-up (first calls pick kernels and fault
-    pages in); the best, because another process can only make a run slower."""
-    run()
-    times = []
-    for _ in range(reps):
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e3
 
 
 def choose_weight_format(

@@ -39,3 +39,53 @@ class NativeRmsNorm:
         width = x.shape[-1]
         kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // width, width, eps)
         return out
+
+
+class NativeInt4Matmul:
+    """Weight-only int4 matmul in C (int4_matmul.c) on its own tiled layout, made by `pack`.
+    Raises NativeUnavailable where the library cannot be built."""
+
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        library = library or load_library()
+        self.kernel = library.int4_matmul_bf16
+        self.kernel.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+        self.kernel.restype = ctypes.c_int
+        kind = library.int4_matmul_kind
+        kind.restype = ctypes.c_char_p
+        # "avx512_bf16" or "portable": which loop this machine's build compiled.
+        self.kind: str = kind().decode()
+
+    @staticmethod
+    def pack(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [out, in] uint8 in 0..15; scales_and_zeros [in / 32, out, 2] bf16. Returns the
+        kernel's weight bytes and scales, in the tile order int4_matmul.c describes."""
+        out_features, in_features = q.shape
+        tiles, groups = out_features // 16, in_features // 32
+        # k = 32 g + 4 s + 2 h + e, column = 16 t + i; byte (t, g, s, i, e) holds h = 0
+        # in its low nibble, h = 1 in its high one.
+        v = q.reshape(tiles, 16, groups, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
+        weight = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).contiguous().reshape(-1)
+        scales = scales_and_zeros.reshape(groups, tiles, 16, 2).permute(1, 0, 3, 2)
+        return weight, scales.contiguous().reshape(-1)
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
+        """x [rows, in] bf16 with contiguous rows; returns [rows, out] bf16."""
+        rows, in_features = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(rows, out_features, dtype=torch.bfloat16)
+        status = self.kernel(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            scales.data_ptr(),
+            out.data_ptr(),
+            rows,
+            out_features,
+            in_features,
+        )
+        if status:
+            raise MemoryError("int4 matmul: out of memory for its row sums")
+        return out

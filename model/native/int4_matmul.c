@@ -1,0 +1,162 @@
+/* Weight-only int4 matrix multiply for the CPU: y[M, N] = x[M, K] W[N, K]^T, x and y bf16.
+ *
+ * W is stored in groups of 32 along K: w = (q - 8) * scale + zero, with q in 0..15 and one
+ * bf16 scale and zero per (output column, group). The layout (written by int4_pack in
+ * model/quantized_linear.py) is tiled for this loop: tiles of 16 output columns, each with
+ * its whole K contiguous, so one tile of weights (at most a few kB) is expanded once per
+ * block of 8 rows and stays in L1 for the next block. A row's sums are taken in the same
+ * order whatever the number of rows, so its result does not depend on its batch.
+ *
+ * Packed bytes of tile t, group g, step s (0..7, four K values each): 32 bytes; byte
+ * 2 i + e holds q[16 t + i][32 g + 4 s + e] in its low nibble and q[16 t + i][32 g + 4 s +
+ * 2 + e] in its high one. Scales of tile t, group g: 16 bf16 scales, then 16 bf16 zeros.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define TILE 16
+#define GROUP 32
+#define ROW_BLOCK 8
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+static inline __m512 bf16x16_to_ps(const uint16_t *p) {
+    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+/* `rows` (1..ROW_BLOCK) rows of x against one tile; `rows` is a constant in each caller,
+ * so the accumulators live in registers. Per group, the products (q - 8) x are exact in
+ * fp32 and summed by dpbf16; scale and zero are applied once per group. */
+static inline __attribute__((always_inline)) void tile_block(
+    const uint16_t *x, int64_t x_stride, const float *xsum, int64_t groups,
+    const uint8_t *w, const uint16_t *sz, uint16_t *y, int64_t y_stride, const int rows) {
+    /* bf16 of q - 8 for q = 0..15, twice: vpermw reads five index bits, and the fifth is
+     * the high nibble's lowest one, so both halves must agree. */
+    static const uint16_t table_values[32] = {
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+    const __m512i table = _mm512_loadu_si512(table_values);
+    __m512 total[ROW_BLOCK];
+    for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 part[ROW_BLOCK];
+        for (int m = 0; m < rows; m++) part[m] = _mm512_setzero_ps();
+        const uint8_t *wg = w + g * (TILE * GROUP / 2);
+        for (int s = 0; s < GROUP / 4; s++) {
+            __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * s)));
+            __m512bh lo = as_bh(_mm512_permutexvar_epi16(bytes, table));
+            __m512bh hi = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
+            const int64_t k = g * GROUP + 4 * s;
+            for (int m = 0; m < rows; m++) {
+                int32_t pair0, pair1;
+                memcpy(&pair0, x + m * x_stride + k, 4);
+                memcpy(&pair1, x + m * x_stride + k + 2, 4);
+                part[m] = _mm512_dpbf16_ps(part[m], as_bh(_mm512_set1_epi32(pair0)), lo);
+                part[m] = _mm512_dpbf16_ps(part[m], as_bh(_mm512_set1_epi32(pair1)), hi);
+            }
+        }
+        const __m512 scale = bf16x16_to_ps(sz + g * 2 * TILE);
+        const __m512 zero = bf16x16_to_ps(sz + g * 2 * TILE + TILE);
+        for (int m = 0; m < rows; m++) {
+            total[m] = _mm512_fmadd_ps(part[m], scale, total[m]);
+            total[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), zero, total[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        _mm256_storeu_si256((__m256i *)(y + m * y_stride), (__m256i)_mm512_cvtneps_pbh(total[m]));
+}
+#define INT4_KERNEL "avx512_bf16"
+
+#else
+
+/* Portable version: each group of the tile is expanded to fp32 once per block of rows, and
+ * the compiler vectorises the 16 columns. One row's sums are a call of their own, so that
+ * fast math cannot order them differently for blocks of a different size. */
+static __attribute__((noinline)) void row_group(
+    const float wq[GROUP][TILE], const uint16_t *xg, const uint16_t *scale,
+    const uint16_t *zero, float xsum, float total[TILE]) {
+    float part[TILE] = {0};
+    for (int k = 0; k < GROUP; k++) {
+        const float xv = from_bf16(xg[k]);
+        for (int i = 0; i < TILE; i++) part[i] += xv * wq[k][i];
+    }
+    for (int i = 0; i < TILE; i++)
+        total[i] += part[i] * from_bf16(scale[i]) + xsum * from_bf16(zero[i]);
+}
+
+static inline void tile_block(
+    const uint16_t *x, int64_t x_stride, const float *xsum, int64_t groups,
+    const uint8_t *w, const uint16_t *sz, uint16_t *y, int64_t y_stride, const int rows) {
+    float total[ROW_BLOCK][TILE] = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        float wq[GROUP][TILE];
+        const uint8_t *wg = w + g * (TILE * GROUP / 2);
+        for (int s = 0; s < GROUP / 4; s++)
+            for (int i = 0; i < TILE; i++)
+                for (int e = 0; e < 2; e++) {
+                    uint8_t byte = wg[32 * s + 2 * i + e];
+                    wq[4 * s + e][i] = (float)(byte & 15) - 8.0f;
+                    wq[4 * s + 2 + e][i] = (float)(byte >> 4) - 8.0f;
+                }
+        for (int m = 0; m < rows; m++)
+            row_group(wq, x + m * x_stride + g * GROUP, sz + g * 2 * TILE,
+                      sz + g * 2 * TILE + TILE, xsum[m * groups + g], total[m]);
+    }
+    for (int m = 0; m < rows; m++)
+        for (int i = 0; i < TILE; i++) y[m * y_stride + i] = to_bf16(total[m][i]);
+}
+#define INT4_KERNEL "portable"
+
+#endif
+
+const char *int4_matmul_kind(void) { return INT4_KERNEL; }
+
+/* x [rows, x_stride] bf16 (k contiguous); w, sz as above for n_out columns; y [rows,
+ * n_out] bf16. n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0, or 2
+ * when out of memory. */
+int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *sz,
+                     uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
+    const int64_t groups = k / GROUP, tiles = n_out / TILE;
+    /* Sum of each row's x over each group, for the zeros: w x summed = scale (q - 8) x
+     * summed + zero x summed. */
+    float *xsum = malloc(sizeof(float) * (rows > 0 ? rows : 1) * groups);
+    if (xsum == NULL) return 2;
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            float total = 0.0f;
+            for (int64_t j = 0; j < GROUP; j++) total += from_bf16(x[m * x_stride + g * GROUP + j]);
+            xsum[m * groups + g] = total;
+        }
+    const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *wt = w + t * tile_bytes;
+        const uint16_t *st = sz + t * tile_scales;
+        for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
+            const uint16_t *xb = x + m0 * x_stride;
+            const float *sb = xsum + m0 * groups;
+            uint16_t *yb = y + m0 * n_out + t * TILE;
+            switch (rows - m0 < ROW_BLOCK ? rows - m0 : ROW_BLOCK) {
+            case 1: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 1); break;
+            case 2: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 2); break;
+            case 3: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 3); break;
+            case 4: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 4); break;
+            case 5: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 5); break;
+            case 6: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 6); break;
+            case 7: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 7); break;
+            default: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 8); break;
+            }
+        }
+    }
+    free(xsum);
+    return 0;
+}

@@ -1,0 +1,137 @@
+"""The C int4 matmul (model/native/int4_matmul.c) against the same weights dequantised and
+multiplied in fp32 by `F.linear`, in both of its builds (AVX-512 BF16 where the CPU has
+it, the portable loop everywhere); and the per-shape choice between it and PyTorch's."""
+
+import ctypes
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model.int4_kernel as int4_kernel
+from model.native.build import COMPILE_FLAGS, HERE, LINK_FLAGS, NativeUnavailable
+from model.native.ops import NativeInt4Matmul
+from model.quantized_linear import INT4_GROUP, Int4Linear
+
+SHAPES = [(576, 960), (1536, 576), (64, 32)]  # (in, out)
+ROWS = [1, 7, 8, 9, 33]  # around the kernel's blocks of 8 rows
+
+
+def random_int4(in_features: int, out_features: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
+    groups = in_features // INT4_GROUP
+    scales = (torch.rand(groups, out_features, 2, generator=generator) - 0.5) * 0.02
+    return q, scales.bfloat16(), generator
+
+
+def dequantised(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+    """w = (q - 8) * scale + zero in fp32, each group's scale repeated over its 32 columns."""
+    scale = scales_and_zeros[..., 0].float().T.repeat_interleave(INT4_GROUP, dim=1)
+    zero = scales_and_zeros[..., 1].float().T.repeat_interleave(INT4_GROUP, dim=1)
+    return (q.float() - 8) * scale + zero
+
+
+def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
+    return ((y.float() - reference).norm() / reference.norm()).item()
+
+
+def portable_build(tmp_path: Path) -> ctypes.CDLL:
+    """The kernel compiled without AVX-512 BF16, as an AVX2-only CPU builds it."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    target, obj = tmp_path / "int4_portable.so", tmp_path / "int4_portable.o"
+    # Compiled and linked in two steps as build.py does: linked with fast math, the
+    # library would turn on flush-to-zero for the whole test process.
+    compile_ = [compiler, *COMPILE_FLAGS, "-mno-avx512bf16", "-c", "-o", str(obj)]
+    if subprocess.run([*compile_, str(HERE / "int4_matmul.c")], check=False).returncode:
+        pytest.skip("this compiler has no -mno-avx512bf16 (not x86)")
+    subprocess.run([compiler, *LINK_FLAGS, "-o", str(target), str(obj)], check=True)
+    return ctypes.CDLL(str(target))
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernel(request, tmp_path_factory) -> NativeInt4Matmul:
+    if request.param == "native":
+        return NativeInt4Matmul()
+    built = NativeInt4Matmul(portable_build(tmp_path_factory.mktemp("portable")))
+    assert built.kind == "portable"
+    return built
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+def test_matches_fp32_on_the_dequantised_weights(kernel, in_features, out_features) -> None:
+    q, scales, generator = random_int4(in_features, out_features)
+    weight, tiled = kernel.pack(q, scales)
+    reference_weight = dequantised(q, scales)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, generator=generator).bfloat16()
+        y = kernel(x, weight, tiled, out_features)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        # bf16 output rounding alone leaves ~1.7e-3.
+        assert relative_error(y, F.linear(x.float(), reference_weight)) < 4e-3, rows
+
+
+def test_a_row_alone_equals_it_in_a_batch(kernel) -> None:
+    q, scales, generator = random_int4(576, 960)
+    weight, tiled = kernel.pack(q, scales)
+    x = torch.randn(33, 576, generator=generator).bfloat16()
+    batch = kernel(x, weight, tiled, 960)
+    for row in (0, 7, 8, 20, 32):
+        assert torch.equal(kernel(x[row : row + 1].clone(), weight, tiled, 960)[0], batch[row])
+
+
+def test_strided_rows_are_read_in_place() -> None:
+    kernel = NativeInt4Matmul()
+    q, scales, generator = random_int4(64, 32)
+    weight, tiled = kernel.pack(q, scales)
+    wide = torch.randn(5, 128, generator=generator).bfloat16()
+    assert torch.equal(
+        kernel(wide[:, :64], weight, tiled, 32), kernel(wide[:, :64].clone(), weight, tiled, 32)
+    )
+
+
+def test_both_int4_layers_agree_and_hold_the_weight_once() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(960, 576, generator=generator) * 0.05
+    x = torch.randn(9, 576, generator=generator)
+    outputs = {}
+    for name in ("native", "torch"):
+        layer = Int4Linear(576, 960, "cpu", kernel=name)
+        layer.load_rows(0, weight)
+        assert layer.weight_int4.numel() * layer.weight_int4.element_size() == 960 * 576 // 2
+        assert layer._staging is None
+        outputs[name] = layer(x).float()
+    assert relative_error(outputs["native"], outputs["torch"]) < 4e-3
+
+
+def test_the_faster_kernel_is_chosen(monkeypatch) -> None:
+    int4_kernel._choose_on_cpu.cache_clear()
+    monkeypatch.setattr(int4_kernel, "_time_kernels", lambda *_: {"native": 2.0, "torch": 1.0})
+    assert int4_kernel.choose_int4_kernel(64, 32, torch.device("cpu")) == "torch"
+    int4_kernel._choose_on_cpu.cache_clear()
+    monkeypatch.setattr(int4_kernel, "_time_kernels", lambda *_: {"native": 1.0, "torch": 2.0})
+    assert int4_kernel.choose_int4_kernel(64, 32, torch.device("cpu")) == "native"
+    layer = Int4Linear(64, 32, "cpu")
+    layer.load_rows(0, torch.randn(32, 64))
+    assert layer.kernel == "native"
+    int4_kernel._choose_on_cpu.cache_clear()
+
+
+def test_no_compiler_falls_back_to_pytorch(monkeypatch) -> None:
+    def unavailable() -> None:
+        raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
+
+    int4_kernel._choose_on_cpu.cache_clear()
+    monkeypatch.setattr(int4_kernel, "NativeInt4Matmul", unavailable)
+    assert int4_kernel.choose_int4_kernel(64, 32, torch.device("cpu")) == "torch"
+    int4_kernel._choose_on_cpu.cache_clear()
+
+
+def test_unknown_kernel_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown int4 kernel"):
+        Int4Linear(64, 32, "cpu", kernel="fast")
