@@ -18,10 +18,11 @@ from model.attention.base import AttentionBackend
 from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
 from model.config import ModelConfig
+from model.native.layer import NativeDecoderLayer
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
-from model.quantized_linear import QuantizedLinear, quantized_linear
+from model.quantized_linear import Int4Linear, QuantizedLinear, quantized_linear
 from model.rope import RotaryEmbedding, apply_rope
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]
@@ -60,6 +61,9 @@ class DecoderLayer(nn.Module):
         # Under tensor parallelism O and down hold a slice of their input columns: their
         # outputs are partial sums the ranks add up (model/parallel/comm.py).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The same layer around attention in two native calls (model/native/layer.py),
+        # set by `Llama.use_native_layers` where every part of it fits.
+        self.native: NativeDecoderLayer | None = None
 
     def forward(
         self,
@@ -72,6 +76,10 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         c = self.config
+        if self.native is not None and h.dtype == torch.bfloat16 and h.is_contiguous():
+            q, k, v = self.native.attention_input(h, *rope)
+            attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=c.head_dim**-0.5)
+            return self.native.attention_output(h, attn)
         qkv = self.qkv_proj(self.input_layernorm(h))
         qk, v = qkv.split([c.q_size + c.kv_size, c.kv_size], dim=-1)
         qk = apply_rope(qk.reshape(-1, c.n_heads + c.n_kv_heads, c.head_dim), *rope)
@@ -126,6 +134,22 @@ class Llama(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.native = kernel
+
+    def use_native_layers(self) -> int:
+        """Every decoder layer whose parts all fit (bf16 norms, every projection on the C
+        int4 kernel, no tensor parallelism) runs around attention in two native calls.
+        Returns how many do."""
+        count = 0
+        for layer in self.layers:
+            projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+            fits = (
+                layer.reduce is None
+                and layer.input_layernorm.weight.dtype == torch.bfloat16
+                and all(isinstance(p, Int4Linear) and p.kernel == "native" for p in projections)
+            )
+            layer.native = NativeDecoderLayer(layer) if fits else None
+            count += fits
+        return count
 
     def quantize_linears(self, quantization: str) -> None:
         """Swaps every decoder linear layer for an empty quantised one, before loading:

@@ -233,12 +233,13 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
 
 
 def _use_kernels(model: Llama, attention_backend: str, device: str) -> None:
-    """The attention backend, and with the CPU's C attention the C RMSNorm too: both come
-    from one library, and `--attention-backend torch_ref` keeps the whole forward in
-    plain PyTorch, the reference."""
+    """The attention backend, and with the CPU's C attention the C RMSNorm and decoder
+    layers too: all come from one library, and `--attention-backend torch_ref` keeps the
+    whole forward in plain PyTorch, the reference."""
     model.attention = _attention_backend(attention_backend, device)
     if model.attention.name == "cpu_paged":
         model.use_native_norm(NativeRmsNorm())
+        model.use_native_layers()
 
 
 def _attention_backend(name: str, device: str) -> AttentionBackend:

@@ -1,0 +1,112 @@
+/* A decoder layer's work around attention, for the CPU in bf16 with int4 weights, in two
+ * calls instead of about forty PyTorch ops: on 2 cores those ops' dispatch cost more than
+ * the layer's arithmetic at one stream.
+ *
+ * decoder_attention_input: RMSNorm, the fused Q/K/V projection, RoPE on Q and K.
+ * decoder_attention_output: O projection and residual, RMSNorm, gate/up projection,
+ * SiLU(gate) * up, down projection and residual.
+ *
+ * Each step rounds to bf16 where the PyTorch layer (model/llama.py) does: every op's output
+ * is a bf16 tensor there, so it is here. Rows are computed alone, in the same order
+ * whatever the batch.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+/* Elementwise loops are shared among the OpenMP team only for enough rows (a prefill
+ * chunk): waking it costs more than a decode step's few rows of work. */
+#define PARALLEL_ROWS 64
+
+void rms_norm_bf16(const void *x, const void *weight, void *out, int64_t rows, int64_t width,
+                   float eps);
+int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *sz,
+                     uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
+
+typedef struct {
+    const uint8_t *weight; /* int4_matmul.c's tiled layout */
+    const uint16_t *scales;
+} int4_weight;
+
+/* Mirrored by a ctypes.Structure in model/native/layer.py: same fields, same order. */
+typedef struct {
+    const uint16_t *input_norm, *post_attention_norm;
+    int4_weight qkv, o, gate_up, down;
+    int64_t dim, n_heads, n_kv, head_dim, ffn;
+    float eps;
+} decoder_layer;
+
+/* h [rows, dim]; cos, sin [rows, head_dim / 2] fp32; qkv [rows, (n_heads + 2 n_kv)
+ * head_dim] receives Q and K rotated (HF layout: each head's two halves) and V. Returns 0,
+ * or 2 when out of memory. */
+int decoder_attention_input(const decoder_layer *l, const uint16_t *h, int64_t rows,
+                            const float *cos, const float *sin, uint16_t *qkv) {
+    const int64_t width = (l->n_heads + 2 * l->n_kv) * l->head_dim, half = l->head_dim / 2;
+    uint16_t *normed = malloc(sizeof(uint16_t) * (rows > 0 ? rows : 1) * l->dim);
+    if (normed == NULL) return 2;
+    rms_norm_bf16(h, l->input_norm, normed, rows, l->dim, l->eps);
+    int status = int4_matmul_bf16(normed, l->dim, l->qkv.weight, l->qkv.scales, qkv, rows,
+                                  width, l->dim);
+    free(normed);
+    if (status) return status;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cos + r * half, *s = sin + r * half;
+        for (int64_t head = 0; head < l->n_heads + l->n_kv; head++) {
+            uint16_t *x = qkv + r * width + head * l->head_dim;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = from_bf16(x[i]), x2 = from_bf16(x[i + half]);
+                x[i] = to_bf16(x1 * c[i] - x2 * s[i]);
+                x[i + half] = to_bf16(x2 * c[i] + x1 * s[i]);
+            }
+        }
+    }
+    return 0;
+}
+
+static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
+    return to_bf16(from_bf16(a) + from_bf16(b));
+}
+
+/* h [rows, dim]; attn [rows, attn_stride], its first n_heads head_dim columns read; out
+ * [rows, dim] receives the layer's output. Returns 0, or 2 when out of memory. */
+int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const uint16_t *attn,
+                             int64_t attn_stride, int64_t rows, uint16_t *out) {
+    const int64_t dim = l->dim, ffn = l->ffn, q_size = l->n_heads * l->head_dim;
+    const int64_t n = rows > 0 ? rows : 1;
+    uint16_t *projected = malloc(sizeof(uint16_t) * n * dim);
+    uint16_t *normed = malloc(sizeof(uint16_t) * n * dim);
+    uint16_t *gate_up = malloc(sizeof(uint16_t) * n * 2 * ffn);
+    uint16_t *act = malloc(sizeof(uint16_t) * n * ffn);
+    int status = 2;
+    if (!projected || !normed || !gate_up || !act) goto done;
+    if ((status = int4_matmul_bf16(attn, attn_stride, l->o.weight, l->o.scales, projected, rows,
+                                   dim, q_size)))
+        goto done;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(h[i], projected[i]);
+    rms_norm_bf16(out, l->post_attention_norm, normed, rows, dim, l->eps);
+    if ((status = int4_matmul_bf16(normed, dim, l->gate_up.weight, l->gate_up.scales, gate_up,
+                                   rows, 2 * ffn, dim)))
+        goto done;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i = 0; i < ffn; i++) {
+            const float g = from_bf16(gate_up[r * 2 * ffn + i]);
+            const float silu = round_to(g / (1.0f + expf(-g)), 1);
+            act[r * ffn + i] = to_bf16(silu * from_bf16(gate_up[r * 2 * ffn + ffn + i]));
+        }
+    if ((status = int4_matmul_bf16(act, ffn, l->down.weight, l->down.scales, projected, rows,
+                                   dim, ffn)))
+        goto done;
+#pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
+    for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(out[i], projected[i]);
+done:
+    free(projected);
+    free(normed);
+    free(gate_up);
+    free(act);
+    return status;
+}

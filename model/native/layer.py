@@ -1,0 +1,111 @@
+"""A decoder layer's work around attention in two C calls (decoder_layer.c), for bf16
+models whose linear layers all run on the C int4 kernel.
+
+At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
+casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
+the attention backend, between the two calls, so prefill chunks keep SDPA and the cache
+writes stay the backend's.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from model.native.build import load_library
+
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+class _Int4Weight(ctypes.Structure):
+    _fields_ = [("weight", _PTR), ("scales", _PTR)]
+
+
+class _DecoderLayer(ctypes.Structure):
+    """decoder_layer.c's `decoder_layer`: same fields, same order."""
+
+    _fields_ = [
+        ("input_norm", _PTR),
+        ("post_attention_norm", _PTR),
+        ("qkv", _Int4Weight),
+        ("o", _Int4Weight),
+        ("gate_up", _Int4Weight),
+        ("down", _Int4Weight),
+        ("dim", _I64),
+        ("n_heads", _I64),
+        ("n_kv", _I64),
+        ("head_dim", _I64),
+        ("ffn", _I64),
+        ("eps", ctypes.c_float),
+    ]
+
+
+class NativeDecoderLayer:
+    """Holds one layer's weight pointers. `layer` is a DecoderLayer whose projections are
+    Int4Linear on the C kernel and whose norms are bf16: the caller checks."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        library = load_library()
+        self._input = library.decoder_attention_input
+        self._input.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR]
+        self._input.restype = ctypes.c_int
+        self._output = library.decoder_attention_output
+        self._output.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR]
+        self._output.restype = ctypes.c_int
+        c = layer.config
+        self.q_size, self.kv_size, self.dim = c.q_size, c.kv_size, c.dim
+        self.n_heads, self.n_kv, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
+        # The tensors are referenced here, so the pointers below stay valid.
+        self._tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        weights = []
+        for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
+            self._tensors += [proj.weight_int4, proj.scales_and_zeros]
+            weights.append(
+                _Int4Weight(proj.weight_int4.data_ptr(), proj.scales_and_zeros.data_ptr())
+            )
+        self._struct = _DecoderLayer(
+            layer.input_layernorm.weight.data_ptr(),
+            layer.post_attention_layernorm.weight.data_ptr(),
+            *weights,
+            c.dim,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+            c.ffn_dim,
+            layer.input_layernorm.eps,
+        )
+        self._pointer = ctypes.addressof(self._struct)
+
+    def attention_input(
+        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h [T, dim] contiguous bf16; cos, sin [T, 1, head_dim / 2] fp32. Returns q, k, v
+        [T, heads, head_dim], views of one buffer."""
+        rows = h.shape[0]
+        qkv = torch.empty(rows, self.q_size + 2 * self.kv_size, dtype=torch.bfloat16)
+        status = self._input(
+            self._pointer, h.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), qkv.data_ptr()
+        )
+        if status:
+            raise MemoryError("decoder layer: out of memory for its buffers")
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=1)
+        return (
+            q.view(rows, self.n_heads, self.head_dim),
+            k.view(rows, self.n_kv, self.head_dim),
+            v.view(rows, self.n_kv, self.head_dim),
+        )
+
+    def attention_output(self, h: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """h [T, dim] contiguous bf16; attn [T, n_heads, head_dim] bf16. The layer's output."""
+        rows = h.shape[0]
+        flat = attn.reshape(rows, self.q_size)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        out = torch.empty_like(h)
+        status = self._output(
+            self._pointer, h.data_ptr(), flat.data_ptr(), flat.stride(0), rows, out.data_ptr()
+        )
+        if status:
+            raise MemoryError("decoder layer: out of memory for its buffers")
+        return out

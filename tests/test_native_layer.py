@@ -1,0 +1,108 @@
+"""The decoder layer in two C calls (model/native/decoder_layer.c) against the PyTorch
+layer on the same bf16 + int4 weights: the same rounding points, so the outputs agree to
+a few bf16 units in the last place; a sequence's logits bit for bit the same alone and in
+a batch; and it is used exactly where every part of the layer fits."""
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import model.quantized_linear as quantized_linear
+from model.batch import Batch
+from model.loader import load_model
+from model.paged_cache import PagedKVCache
+from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
+
+if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
+    pytest.skip("no C compiler to build the kernels", allow_module_level=True)
+
+
+@pytest.fixture
+def tiny_dir(tmp_path, monkeypatch):
+    # The C int4 kernel whatever this machine's timing says: it is what is under test.
+    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: "native")
+    make_tiny_llama(tmp_path, heads="gqa")
+    write_tiny_tokenizer(tmp_path)
+    return tmp_path
+
+
+def load(path, **kwargs):
+    kwargs = {"dtype": "bfloat16", "quantization": "int4", "progress": False, **kwargs}
+    return load_model(path, **kwargs).model
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_a_layer_matches_the_pytorch_layer(tiny_dir) -> None:
+    model = load(tiny_dir)
+    layer = model.layers[0]
+    assert layer.native is not None
+    generator = torch.Generator().manual_seed(0)
+    rows = 70  # past the row count where elementwise loops are shared among threads
+    h = torch.randn(rows, model.config.dim, generator=generator).bfloat16()
+    positions = torch.arange(rows)
+    rope = model.rope(positions)
+    cache = PagedKVCache.allocate(model.config, 8, 16, torch.bfloat16)
+    batch = Batch.build([list(range(rows))], [0], [list(range(5))], 16)
+    plan = model.attention.plan(batch)
+    k_cache, v_cache = cache.layer(0)
+    fused = layer(h, batch, rope, model.attention, plan, k_cache, v_cache)
+    native, layer.native = layer.native, None
+    reference = layer(h, batch, rope, model.attention, plan, k_cache, v_cache)
+    layer.native = native
+    assert fused.dtype == torch.bfloat16 and fused.shape == reference.shape
+    # Same formula and roundings; SiLU's and RoPE's last bits may differ from PyTorch's.
+    assert relative_error(fused, reference) < 2e-3
+    assert (fused == reference).float().mean().item() > 0.9
+
+
+def test_logits_track_the_plain_pytorch_forward(tiny_dir) -> None:
+    fast, plain = load(tiny_dir), load(tiny_dir, attention_backend="torch_ref")
+    assert all(layer.native is not None for layer in fast.layers)
+    assert all(layer.native is None for layer in plain.layers)
+    prompts = [list(range(3, 40)), list(range(100, 120))]
+
+    def logits(model) -> list[torch.Tensor]:
+        cache = PagedKVCache.allocate(model.config, 8, 16, torch.bfloat16)
+        tables = [[0, 1, 2], [3, 4, 5]]
+        prefill = Batch.build(prompts, [0, 0], tables, 16)
+        first = model(prefill, cache)
+        decode = Batch.build([[7], [9]], [len(p) for p in prompts], tables, 16)
+        return [first, model(decode, cache)]
+
+    for ours, reference in zip(logits(fast), logits(plain), strict=True):
+        assert relative_error(ours, reference) < 2e-2
+        assert torch.equal(ours.argmax(-1), reference.argmax(-1))
+
+
+def test_a_sequence_alone_equals_it_in_a_batch(tiny_dir) -> None:
+    model = load(tiny_dir)
+    prompts = [list(range(3 + i, 80 + 2 * i)) for i in range(4)]
+
+    def decode_logits(rows: list[int]) -> torch.Tensor:
+        cache = PagedKVCache.allocate(model.config, 32, 16, torch.bfloat16)
+        tables = [list(range(6 * i, 6 * i + 6)) for i in range(len(rows))]
+        chosen = [prompts[r] for r in rows]
+        model(Batch.build(chosen, [0] * len(rows), tables, 16), cache)
+        lens = [len(p) for p in chosen]
+        return model(Batch.build([[5]] * len(rows), lens, tables, 16), cache)
+
+    batch = decode_logits([0, 1, 2, 3])
+    for row in range(4):
+        assert torch.equal(decode_logits([row])[0], batch[row]), row
+
+
+def test_used_only_where_every_part_fits(tiny_dir, monkeypatch) -> None:
+    assert all(layer.native is None for layer in load(tiny_dir, dtype="float32").layers)
+    assert all(layer.native is None for layer in load(tiny_dir, quantization="none").layers)
+    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: "torch")
+    assert all(layer.native is None for layer in load(tiny_dir).layers)
+    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: "native")
+    model = load(tiny_dir)
+    model.layers[1].reduce = lambda t: t  # as tensor parallelism sets it
+    assert model.use_native_layers() == 1
+    assert model.layers[0].native is not None and model.layers[1].native is None
