@@ -22,7 +22,7 @@ from model.native.layer import NativeDecoderLayer
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
-from model.quantized_linear import Int4Linear, QuantizedLinear, quantized_linear
+from model.quantized_linear import Int4Linear, Int8GroupLinear, QuantizedLinear, quantized_linear
 from model.rope import RotaryEmbedding, apply_rope
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]
@@ -120,6 +120,9 @@ class Llama(nn.Module):
                 layer.reduce = all_reduce
         self.norm = RMSNorm(config.dim, config.norm_eps)
         self.lm_head = nn.Linear(config.dim, vocab_rows, bias=False)
+        # Set by `quantize_head` on a tied model: the embedding is looked up in the output
+        # projection's int8 weight, and embed_tokens keeps no rows.
+        self.embed_from_head = False
         self.tie_weights()
         self.rope = RotaryEmbedding(config, max_position or config.max_position, device)
 
@@ -164,6 +167,14 @@ class Llama(nn.Module):
                     )
                     setattr(owner, name, replacement)
 
+    def quantize_head(self) -> None:
+        """Swaps the output projection for an empty grouped-int8 one, before loading; a
+        tied embedding then reads its rows from it rather than holding a copy."""
+        self.lm_head = Int8GroupLinear(self.lm_head.in_features, self.lm_head.out_features, "meta")
+        if self.config.tie_embeddings and not self.tp:
+            self.embed_from_head = True
+            self.embed_tokens = nn.Embedding(0, self.config.dim, device="meta")
+
     def quantized_modules(self) -> dict[str, QuantizedLinear]:
         """Parameter-style names ('layers.0.qkv_proj.weight') of the quantised layers."""
         return {
@@ -181,19 +192,24 @@ class Llama(nn.Module):
         dtype: torch.dtype = torch.float32,
         quantization: str | None = None,
         tp: TensorParallel | None = None,
+        head_int8: bool = False,
     ) -> Llama:
         """A model with uninitialised weights: random init of a model about to be loaded
         costs seconds for nothing. With `quantization`, the linear layers are quantised
-        ones, filled as the weights load."""
+        ones, filled as the weights load; with `head_int8`, the output projection too
+        (grouped int8, model/quantized_linear.py)."""
         with torch.device("meta"):
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
                 model.quantize_linears(quantization)
+            if head_int8:
+                model.quantize_head()
         # The dtype is set while the tensors are still shapes: materialising in fp32 and
         # then casting held both copies of the embedding at once.
         model = model.to(dtype).to_empty(device=device)
         for module in model.quantized_modules().values():
-            module.to(torch.bfloat16)  # the packed kernels take bf16 scales, whatever `dtype`
+            # The int4 kernels take bf16 scales, the int8 one fp32, whatever `dtype`.
+            module.to(torch.float32 if isinstance(module, Int8GroupLinear) else torch.bfloat16)
         model.tie_weights()  # materialising gives the tied weight two separate storages
         model.rope = RotaryEmbedding(config, max_position or config.max_position, device)
         return model
@@ -244,6 +260,8 @@ class Llama(nn.Module):
         return logits
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_from_head:
+            return self.lm_head.embed(ids, self.norm.weight.dtype)
         if not self.tp:
             return self.embed_tokens(ids)
         # Each rank looks up the ids in its vocabulary rows; exactly one rank has each.
@@ -290,6 +308,8 @@ class Llama(nn.Module):
             seen.add(key)
             if name == "embed_tokens.weight" and "lm_head.weight" in quantized:
                 quantized["lm_head.weight"].load_rows(0, tensor)  # tied: quantised from it
+                if self.embed_from_head:
+                    continue
             if name in quantized:
                 quantized[name].load_rows(row, tensor)
                 continue

@@ -44,13 +44,14 @@ from model.text.llama3_tokenizer import (
 )
 from model.text.tokenizer import Tokenizer
 from model.text.tokenizer_files import tokenizer_from_gguf, tokenizer_from_hf_dir
-from model.weight_format import WeightFormat, resolve_weight_format
+from model.weight_format import WeightFormat, choose_head_int8, resolve_weight_format
 from model.weights.default_model import DEFAULT_MODEL_NAME, default_model_path
 from model.weights.gguf import (
     check_tensor_types,
     count_gguf_tensors,
     iter_gguf_weights,
     linear_weight_bits,
+    output_exact_in_int8,
 )
 from model.weights.gguf_file import open_gguf
 from model.weights.meta import (
@@ -94,6 +95,7 @@ def load_model(
     started = time.perf_counter()
     path = Path(path) if path is not None else default_model_path()
     presharded = False  # weights read as this rank's shards already
+    head_exact_in_int8 = False  # the output weight is stored in a type int8 holds exactly
     if path.is_dir() and (path / "config.json").is_file():
         config = ModelConfig.from_hf_dir(path)
         files = safetensors_files(path)
@@ -136,6 +138,7 @@ def load_model(
         total = count_gguf_tensors(gguf)
         read_weights = partial(iter_gguf_weights, gguf, config)
         checkpoint_bits = linear_weight_bits(gguf)
+        head_exact_in_int8 = output_exact_in_int8(gguf)
         tokenizer = tokenizer_from_gguf(gguf.metadata)
         template = ChatTemplate.from_gguf_metadata(gguf.metadata, tokenizer)
         name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
@@ -153,11 +156,16 @@ def load_model(
         tp.check(config)
         dtype, quantization = tp.same_format_on_every_rank(dtype, quantization, device)
     fmt = _weight_format(dtype, quantization, config, device, checkpoint_bits, batch_invariant)
+    head_int8 = tp is None and choose_head_int8(
+        config, fmt, head_exact_in_int8, torch.device(device)
+    )
     # Quantised layers are filled from the checkpoint's own values, not a rounded copy.
     weights = read_weights(torch.float32 if fmt.quantization else fmt.dtype)
     if tp is not None and not presharded:
         weights = tp.shard_weights(weights, config)
-    model = Llama.empty(config, max_position, device, fmt.dtype, fmt.quantization, tp=tp)
+    model = Llama.empty(
+        config, max_position, device, fmt.dtype, fmt.quantization, tp=tp, head_int8=head_int8
+    )
     bar = tqdm(weights, total=total, desc="loading weights", unit="tensor", disable=not progress)
     # Dequantisation is many small ops: one thread is several times faster than two that
     # wait on each other, and far faster when another process holds a core.
@@ -178,7 +186,7 @@ def load_model(
         "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
         name,
         config.num_parameters() / 1e6,
-        fmt.describe(),
+        fmt.describe() + (" (output projection int8)" if head_int8 else ""),
         device,
         model.attention.name,
         time.perf_counter() - started,

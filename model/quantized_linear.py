@@ -18,7 +18,7 @@ from torch import nn
 
 from model.errors import UnsupportedFormatError
 from model.int4_kernel import INT4_KERNELS, choose_int4_kernel
-from model.native.ops import NativeInt4Matmul
+from model.native.ops import NativeInt4Matmul, NativeInt8Matmul
 
 INT4_GROUP = 32
 QUANTIZATIONS = ("int8", "int4")
@@ -171,6 +171,56 @@ class Int4Linear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernel={self.kernel}"
+
+
+class Int8GroupLinear(QuantizedLinear):
+    """Symmetric int8 in groups of 32 input columns, fp32 scales, on the C kernel, with
+    fp32 output: the output projection. It holds GGUF's Q8_0 (most files' embedding and
+    output weights) exactly, and reads half the bytes of a bf16 copy; tied, it is the
+    embedding too (`embed`), so the vocabulary's weights exist once."""
+
+    def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
+        if in_features % INT4_GROUP or out_features % 16:
+            raise UnsupportedFormatError(
+                f"grouped int8 needs in_features divisible by {INT4_GROUP} and out_features "
+                f"by 16, got [{out_features}, {in_features}]"
+            )
+        super().__init__(in_features, out_features, device)
+        self._native: NativeInt8Matmul | None = None
+        groups = in_features // INT4_GROUP
+        self.register_buffer(
+            "scales", torch.empty(out_features, groups, dtype=torch.float32, device=device)
+        )
+        self.register_buffer("weight_int8", torch.empty(0, dtype=torch.int8, device=device))
+
+    def _new_staging(self) -> torch.Tensor:
+        return torch.empty(
+            self.out_features, self.in_features, dtype=torch.int8, device=self.device
+        )
+
+    def _stage(self, row: int, weight: torch.Tensor) -> None:
+        rows = weight.shape[0]
+        groups = weight.reshape(rows, -1, INT4_GROUP)
+        scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / 127.0
+        q = (groups / scale).round().clamp(-127, 127)
+        self._staging[row : row + rows] = q.reshape(rows, -1).to(torch.int8)
+        self.scales[row : row + rows] = scale.squeeze(-1)
+
+    def _pack(self) -> None:
+        self._native = NativeInt8Matmul()
+        self.weight_int8, self.scales = self._native.pack(self._staging, self.scales)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = self._native(flat, self.weight_int8, self.scales, self.out_features)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight in `dtype`: the tied embedding's lookup."""
+        rows = NativeInt8Matmul.rows(
+            self.weight_int8, self.scales, ids.reshape(-1), self.in_features
+        )
+        return rows.to(dtype).reshape(*ids.shape, self.in_features)
 
 
 def quantized_linear(

@@ -24,7 +24,8 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
-from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, quantized_linear
+from model.native.build import NativeUnavailable
+from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, Int8GroupLinear, quantized_linear
 from model.timing import best_ms
 
 logger = logging.getLogger(__name__)
@@ -192,3 +193,46 @@ def resolve_weight_format(
         candidates = [c for c in candidates if c.quantization != "int4"]
     with torch.inference_mode():
         return choose_weight_format(candidates, lambda fmt: layer_step_ms(config, fmt, device))
+
+
+def choose_head_int8(
+    config: ModelConfig, fmt: WeightFormat, exact: bool, device: torch.device
+) -> bool:
+    """Whether the output projection runs in grouped int8 (model/quantized_linear.py): only
+    where the checkpoint stores it in a type int8 holds exactly (`exact`, e.g. GGUF Q8_0),
+    beside quantised bf16 layers on the CPU, and where it times faster than the bf16 one.
+    Its fp32 sums then replace the bf16 projection's bf16 rounding of each logit."""
+    if not exact or fmt.quantization is None or fmt.dtype != torch.bfloat16:
+        return False
+    if device.type != "cpu" or config.dim % INT4_GROUP or config.vocab_size % 16:
+        return False
+    try:
+        with torch.inference_mode():
+            int8_ms, bf16_ms = _head_ms(config)
+    except NativeUnavailable as exc:
+        logger.warning("output projection stays bf16: %s", exc)
+        return False
+    logger.info(
+        "output projection: %s (geometric mean over batch %s: int8 %.2f ms, bf16 %.2f ms)",
+        "int8" if int8_ms < bf16_ms else "bf16",
+        "/".join(str(b) for b in MEASURED_BATCH_SIZES),
+        int8_ms,
+        bf16_ms,
+    )
+    return int8_ms < bf16_ms
+
+
+def _head_ms(config: ModelConfig) -> tuple[float, float]:
+    """Both formats on an eighth of the vocabulary, scaled (as in `layer_step_ms`)."""
+    rows = max(16, config.vocab_size // 8 // 16 * 16)
+    weight = torch.randn(rows, config.dim) * 0.02
+    head = Int8GroupLinear(config.dim, rows, "cpu")
+    head.load_rows(0, weight)
+    weight = weight.bfloat16()
+    log_int8 = log_bf16 = 0.0
+    for batch in MEASURED_BATCH_SIZES:
+        x = torch.randn(batch, config.dim).bfloat16()
+        log_int8 += math.log(best_ms(partial(head, x)))
+        log_bf16 += math.log(best_ms(partial(F.linear, x, weight)))
+    scale, n = config.vocab_size / rows, len(MEASURED_BATCH_SIZES)
+    return math.exp(log_int8 / n) * scale, math.exp(log_bf16 / n) * scale

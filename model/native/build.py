@@ -1,5 +1,5 @@
-"""Builds the C kernels beside this file (decode attention, RMSNorm, int4 matmul, the
-decoder layer around attention) into one shared library for this machine, once, and loads
+"""Builds the C kernels beside this file (decode attention, RMSNorm, int4 and int8 matmuls,
+the decoder layer around attention) into one shared library for this machine, once, and loads
 it with ctypes.
 
 C rather than a PyTorch extension: plain C with no PyTorch headers compiles in about a
@@ -25,7 +25,13 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 HERE = Path(__file__).parent
-SOURCES = ("paged_decode.c", "rms_norm.c", "int4_matmul.c", "decoder_layer.c")
+SOURCES = (
+    "paged_decode.c",
+    "rms_norm.c",
+    "int4_matmul.c",
+    "int8_matmul.c",
+    "decoder_layer.c",
+)
 HEADERS = ("bf16.h",)
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every

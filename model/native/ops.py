@@ -89,3 +89,61 @@ class NativeInt4Matmul:
         if status:
             raise MemoryError("int4 matmul: out of memory for its row sums")
         return out
+
+
+class NativeInt8Matmul:
+    """Weight-only int8 matmul in C (int8_matmul.c), in groups of 32 with fp32 scales and
+    fp32 output: the output projection. Raises NativeUnavailable where the library cannot
+    be built."""
+
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        library = library or load_library()
+        self.kernel = library.int8_matmul_bf16
+        self.kernel.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+        self.kernel.restype = None
+        kind = library.int8_matmul_kind
+        kind.restype = ctypes.c_char_p
+        self.kind: str = kind().decode()
+
+    @staticmethod
+    def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [out, in] int8; scales [out, in / 32] fp32. Returns the kernel's weight bytes
+        and scales, in the tile order int8_matmul.c describes."""
+        out_features, in_features = q.shape
+        tiles, groups = out_features // 16, in_features // 32
+        weight = q.reshape(tiles, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+        tiled_scales = scales.reshape(tiles, 16, groups).permute(0, 2, 1)
+        return weight.contiguous().reshape(-1), tiled_scales.contiguous().reshape(-1)
+
+    @staticmethod
+    def rows(
+        weight: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, in_features: int
+    ) -> torch.Tensor:
+        """Rows `ids` of the packed weight, dequantised to fp32 [len(ids), in]: a tied
+        embedding's lookup."""
+        groups = in_features // 32
+        tiles, column = ids // 16, ids % 16
+        q = weight.view(-1, groups, 16, 16, 2)[tiles, :, :, column, :]  # [n, groups, 16, 2]
+        scale = scales.view(-1, groups, 16)[tiles, :, column]  # [n, groups]
+        values = q.reshape(-1, groups, 32).float() * scale[..., None]
+        return values.reshape(-1, in_features)
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
+        """x [rows, in] bf16 with contiguous rows; returns [rows, out] fp32."""
+        rows, in_features = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(rows, out_features, dtype=torch.float32)
+        self.kernel(
+            x.data_ptr(),
+            x.stride(0),
+            weight.data_ptr(),
+            scales.data_ptr(),
+            out.data_ptr(),
+            rows,
+            out_features,
+            in_features,
+        )
+        return out

@@ -113,5 +113,16 @@ def linear_weight_bits(gguf: GGUFFile) -> int | None:
     return max(bits)
 
 
+# Types whose groups of 32 are symmetric, one scale each: grouped int8 holds them exactly.
+_EXACT_IN_INT8 = ("Q8_0", "Q5_0", "Q4_0")
+
+
+def output_exact_in_int8(gguf: GGUFFile) -> bool:
+    """Whether the output projection's weight (or the embedding it is tied to) is stored in
+    a type that grouped int8 holds without loss."""
+    types = {t.name: t.tensor_type.name for t in gguf.tensors}
+    return types.get("output.weight", types.get("token_embd.weight")) in _EXACT_IN_INT8
+
+
 def count_gguf_tensors(gguf: GGUFFile) -> int:
     return sum(1 for t in gguf.tensors if t.name not in _IGNORED)

@@ -1,0 +1,121 @@
+/* Weight-only int8 matrix multiply for the CPU, for the output projection: y[M, N] =
+ * x[M, K] W[N, K]^T with x bf16 and y fp32 (the logits).
+ *
+ * W is symmetric int8 in groups of 32 along K, one fp32 scale per (output column, group):
+ * GGUF's Q8_0, the type of most GGUF files' embedding and output weights, held exactly.
+ * The layout (written by NativeInt8Matmul.pack in model/native/ops.py) is tiled like
+ * int4_matmul.c's: tiles of 16 output columns with their whole K contiguous, each tile's
+ * weights converted to bf16 (exact for |q| <= 127) once per block of 8 rows. A row's sums
+ * are taken in the same order whatever the number of rows.
+ *
+ * Bytes of tile t, group g, step p (0..15, two K values each): 32 bytes; byte 2 i + e is
+ * q[16 t + i][32 g + 2 p + e]. Scales of tile t, group g: 16 fp32.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define TILE 16
+#define GROUP 32
+#define ROW_BLOCK 8
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+
+/* 32 int8 as 32 bf16, in order. */
+static inline __m512bh int8_to_bf16(const uint8_t *p) {
+    __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+    __m512 high =
+        _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+    return _mm512_cvtne2ps_pbh(high, low);
+}
+
+static inline __attribute__((always_inline)) void tile_block(
+    const uint16_t *x, int64_t x_stride, int64_t groups, const uint8_t *w, const float *scales,
+    float *y, int64_t y_stride, const int rows) {
+    __m512 total[ROW_BLOCK];
+    for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 part[ROW_BLOCK];
+        for (int m = 0; m < rows; m++) part[m] = _mm512_setzero_ps();
+        const uint8_t *wg = w + g * TILE * GROUP;
+        for (int p = 0; p < GROUP / 2; p++) {
+            const __m512bh wp = int8_to_bf16(wg + 32 * p);
+            const int64_t k = g * GROUP + 2 * p;
+            for (int m = 0; m < rows; m++) {
+                int32_t pair;
+                memcpy(&pair, x + m * x_stride + k, 4);
+                part[m] = _mm512_dpbf16_ps(part[m], as_bh(_mm512_set1_epi32(pair)), wp);
+            }
+        }
+        const __m512 scale = _mm512_loadu_ps(scales + g * TILE);
+        for (int m = 0; m < rows; m++) total[m] = _mm512_fmadd_ps(part[m], scale, total[m]);
+    }
+    for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * y_stride, total[m]);
+}
+#define INT8_KERNEL "avx512_bf16"
+
+#else
+
+/* Portable version; one row's sums are a call of their own, so that fast math cannot
+ * order them differently for blocks of a different size. */
+static __attribute__((noinline)) void row_group(const float wq[GROUP][TILE], const uint16_t *xg,
+                                                const float *scale, float total[TILE]) {
+    float part[TILE] = {0};
+    for (int k = 0; k < GROUP; k++) {
+        const float xv = from_bf16(xg[k]);
+        for (int i = 0; i < TILE; i++) part[i] += xv * wq[k][i];
+    }
+    for (int i = 0; i < TILE; i++) total[i] += part[i] * scale[i];
+}
+
+static inline void tile_block(const uint16_t *x, int64_t x_stride, int64_t groups,
+                              const uint8_t *w, const float *scales, float *y, int64_t y_stride,
+                              const int rows) {
+    float total[ROW_BLOCK][TILE] = {{0}};
+    for (int64_t g = 0; g < groups; g++) {
+        float wq[GROUP][TILE];
+        const int8_t *wg = (const int8_t *)w + g * TILE * GROUP;
+        for (int p = 0; p < GROUP / 2; p++)
+            for (int i = 0; i < TILE; i++)
+                for (int e = 0; e < 2; e++) wq[2 * p + e][i] = (float)wg[32 * p + 2 * i + e];
+        for (int m = 0; m < rows; m++)
+            row_group(wq, x + m * x_stride + g * GROUP, scales + g * TILE, total[m]);
+    }
+    for (int m = 0; m < rows; m++)
+        for (int i = 0; i < TILE; i++) y[m * y_stride + i] = total[m][i];
+}
+#define INT8_KERNEL "portable"
+
+#endif
+
+const char *int8_matmul_kind(void) { return INT8_KERNEL; }
+
+/* x [rows, x_stride] bf16; w, scales as above for n_out columns; y [rows, n_out] fp32.
+ * n_out % 16 == 0 and k % 32 == 0, checked by the caller. */
+void int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
+                      float *y, int64_t rows, int64_t n_out, int64_t k) {
+    const int64_t groups = k / GROUP, tiles = n_out / TILE;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++) {
+        const uint8_t *wt = w + t * k * TILE;
+        const float *st = scales + t * groups * TILE;
+        for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
+            const uint16_t *xb = x + m0 * x_stride;
+            float *yb = y + m0 * n_out + t * TILE;
+            switch (rows - m0 < ROW_BLOCK ? rows - m0 : ROW_BLOCK) {
+            case 1: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 1); break;
+            case 2: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 2); break;
+            case 3: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 3); break;
+            case 4: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 4); break;
+            case 5: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 5); break;
+            case 6: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 6); break;
+            case 7: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 7); break;
+            default: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 8); break;
+            }
+        }
+    }
+}

@@ -1,0 +1,138 @@
+"""The grouped-int8 output projection (model/native/int8_matmul.c, Int8GroupLinear): its
+kernel against `F.linear` on the same weights in fp32, in both builds; GGUF Q8_0 groups
+held exactly; a tied model's embedding read from it; and when the loader takes it."""
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import model.weight_format as weight_format
+from model.batch import Batch
+from model.config import ModelConfig
+from model.llama import Llama
+from model.native.build import COMPILE_FLAGS, HERE, LINK_FLAGS, NativeUnavailable
+from model.native.ops import NativeInt8Matmul
+from model.paged_cache import PagedKVCache
+from model.quantized_linear import Int8GroupLinear
+from model.weight_format import WeightFormat, choose_head_int8
+from model.weights.default_model import default_model_path
+from model.weights.gguf import output_exact_in_int8
+from model.weights.gguf_file import open_gguf
+from model.weights.safetensors import iter_safetensors, safetensors_files
+from tests.tiny_models import make_tiny_llama
+
+if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
+    pytest.skip("no C compiler to build the kernels", allow_module_level=True)
+
+CPU = torch.device("cpu")
+INT4 = WeightFormat(torch.bfloat16, "int4")
+
+
+def q8_0_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
+    """w = d * q with q in -127..127 and |q| = 127 in every group of 32, as Q8_0 stores
+    it; d rounded through fp16 like the file's."""
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randint(-127, 128, (out_features, in_features // 32, 32), generator=generator)
+    q[..., 0] = 127
+    d = (torch.rand(out_features, in_features // 32, 1, generator=generator) * 1e-3).half()
+    return (q.float() * d.float()).reshape(out_features, in_features)
+
+
+def portable_build(tmp_path: Path) -> ctypes.CDLL:
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    obj, target = tmp_path / "int8.o", tmp_path / "int8.so"
+    compile_ = [compiler, *COMPILE_FLAGS, "-mno-avx512bf16", "-c", "-o", str(obj)]
+    if subprocess.run([*compile_, str(HERE / "int8_matmul.c")], check=False).returncode:
+        pytest.skip("this compiler has no -mno-avx512bf16 (not x86)")
+    subprocess.run([compiler, *LINK_FLAGS, "-o", str(target), str(obj)], check=True)
+    return ctypes.CDLL(str(target))
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernel(request, tmp_path_factory) -> NativeInt8Matmul:
+    if request.param == "native":
+        return NativeInt8Matmul()
+    built = NativeInt8Matmul(portable_build(tmp_path_factory.mktemp("portable")))
+    assert built.kind == "portable"
+    return built
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 4096), (64, 48)])
+def test_matches_fp32_on_the_same_weights(kernel, in_features, out_features) -> None:
+    generator = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
+    scales = torch.rand(out_features, in_features // 32, generator=generator) * 0.01
+    weight, tiled = kernel.pack(q, scales)
+    reference = (q.float().view(out_features, -1, 32) * scales[..., None]).view(out_features, -1)
+    for rows in (1, 8, 9, 20):
+        x = torch.randn(rows, in_features, generator=generator).bfloat16()
+        y = kernel(x, weight, tiled, out_features)
+        assert y.dtype == torch.float32
+        expected = F.linear(x.float(), reference)
+        assert ((y - expected).norm() / expected.norm()).item() < 1e-5, rows
+        assert torch.equal(kernel(x[-1:].clone(), weight, tiled, out_features)[0], y[-1])
+
+
+def test_q8_0_groups_are_held_exactly() -> None:
+    weight = q8_0_weight(64, 96)
+    layer = Int8GroupLinear(96, 64, "cpu")
+    layer.load_rows(32, weight[32:])
+    layer.load_rows(0, weight[:32])
+    assert torch.equal(layer.embed(torch.arange(64), torch.float32), weight)
+    x = torch.randn(5, 96).bfloat16()
+    expected = F.linear(x.float(), weight)
+    assert ((layer(x) - expected).norm() / expected.norm()).item() < 1e-5
+
+
+def load_tiny(path: Path, head_int8: bool) -> Llama:
+    config = ModelConfig.from_hf_dir(path)
+    model = Llama.empty(config, dtype=torch.bfloat16, quantization="int4", head_int8=head_int8)
+    model.load_weights(iter_safetensors(safetensors_files(path), torch.float32))
+    return model.eval()
+
+
+def test_a_tied_model_holds_its_vocabulary_once(tmp_path) -> None:
+    make_tiny_llama(tmp_path, heads="gqa", tie=True)
+    int8, bf16 = load_tiny(tmp_path, True), load_tiny(tmp_path, False)
+    assert isinstance(int8.lm_head, Int8GroupLinear) and int8.embed_from_head
+    assert int8.embed_tokens.weight.shape[0] == 0
+    ids = torch.tensor([0, 7, 511])
+    # Requantised from the checkpoint's fp32 values: the lookup is within int8's rounding.
+    assert (int8._embed(ids).float() - bf16._embed(ids).float()).abs().max().item() < 2e-3
+
+    def logits(model: Llama) -> torch.Tensor:
+        cache = PagedKVCache.allocate(model.config, 4, 16, torch.bfloat16)
+        return model(Batch.build([list(range(3, 40))], [0], [[0, 1, 2]], 16), cache)
+
+    ours, reference = logits(int8), logits(bf16)
+    assert ours.dtype == torch.float32
+    assert ((ours - reference).norm() / reference.norm()).item() < 2e-2
+
+
+def test_the_default_model_s_output_is_exact_in_int8() -> None:
+    assert output_exact_in_int8(open_gguf(default_model_path()))
+
+
+def test_chosen_only_where_exact_quantised_and_faster(monkeypatch) -> None:
+    config = ModelConfig(
+        dim=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=128, vocab_size=512
+    )
+    monkeypatch.setattr(weight_format, "_head_ms", lambda _: (1.0, 2.0))
+    assert choose_head_int8(config, INT4, True, CPU)
+    assert not choose_head_int8(config, INT4, False, CPU)  # a lossy requantisation
+    assert not choose_head_int8(config, WeightFormat(torch.bfloat16), True, CPU)
+    assert not choose_head_int8(config, WeightFormat(torch.float32, "int4"), True, CPU)
+    monkeypatch.setattr(weight_format, "_head_ms", lambda _: (2.0, 1.0))
+    assert not choose_head_int8(config, INT4, True, CPU)
+
+    def unavailable(_) -> None:
+        raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
+
+    monkeypatch.setattr(weight_format, "_head_ms", unavailable)
+    assert not choose_head_int8(config, INT4, True, CPU)
