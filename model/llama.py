@@ -76,16 +76,22 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
         c = self.config
+        scale = c.head_dim**-0.5
         if self.native is not None and h.dtype == torch.bfloat16 and h.is_contiguous():
+            decodes = getattr(plan, "decodes", None)  # the C attention's plan of decodes only
+            if decodes is not None:
+                out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale)
+                if out is not None:
+                    return out
             q, k, v = self.native.attention_input(h, *rope)
-            attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=c.head_dim**-0.5)
+            attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=scale)
             return self.native.attention_output(h, attn)
         qkv = self.qkv_proj(self.input_layernorm(h))
         qk, v = qkv.split([c.q_size + c.kv_size, c.kv_size], dim=-1)
         qk = apply_rope(qk.reshape(-1, c.n_heads + c.n_kv_heads, c.head_dim), *rope)
         q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
-        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=c.head_dim**-0.5)
+        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=scale)
         out = self.o_proj(attn.reshape(-1, c.q_size))
         h = h + (self.reduce(out) if self.reduce else out)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)

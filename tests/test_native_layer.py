@@ -5,6 +5,7 @@ a batch; and it is used exactly where every part of the layer fits."""
 
 import os
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -106,3 +107,26 @@ def test_used_only_where_every_part_fits(tiny_dir, monkeypatch) -> None:
     model.layers[1].reduce = lambda t: t  # as tensor parallelism sets it
     assert model.use_native_layers() == 1
     assert model.layers[0].native is not None and model.layers[1].native is None
+
+
+def test_a_decode_step_in_one_call_equals_the_two_call_layer(tiny_dir) -> None:
+    model = load(tiny_dir)
+    prompts = [list(range(3, 40)), list(range(100, 117)), list(range(200, 233))]
+    tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+
+    def decode_logits(one_call: bool) -> tuple[torch.Tensor, PagedKVCache]:
+        cache = PagedKVCache.allocate(model.config, 10, 16, torch.bfloat16)
+        model(Batch.build(prompts, [0, 0, 0], tables, 16), cache)
+        decode = Batch.build([[7], [9], [11]], [len(p) for p in prompts], tables, 16)
+        plan = model.attention.plan(decode)
+        assert plan.decodes is not None
+        if not one_call:
+            model.attention.plan = lambda batch: replace(plan, decodes=None)
+        try:
+            return model(decode, cache), cache
+        finally:
+            model.attention.__dict__.pop("plan", None)
+
+    (one, cache_one), (two, cache_two) = decode_logits(True), decode_logits(False)
+    assert torch.equal(one, two)
+    assert torch.equal(cache_one.k, cache_two.k) and torch.equal(cache_one.v, cache_two.v)

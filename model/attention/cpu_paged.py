@@ -22,6 +22,7 @@ import torch
 from model.attention.torch_ref import TorchRefBackend, TorchRefPlan, _Group
 from model.batch import Batch
 from model.native.build import load_library
+from model.native.layer import DecodeBatch
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
@@ -30,6 +31,8 @@ _ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _
 @dataclass
 class CpuPagedPlan(TorchRefPlan):
     decode_lens: torch.Tensor | None = None  # [decodes] int64: the decode group's lengths
+    # A step of decodes only, for decoder layers that run whole in C (model/native/layer.py).
+    decodes: DecodeBatch | None = None
 
 
 class CpuPagedBackend(TorchRefBackend):
@@ -52,7 +55,11 @@ class CpuPagedBackend(TorchRefBackend):
         groups = super().plan(batch).groups
         lens = [n for n, q in zip(batch.seq_lens, batch.query_lens, strict=True) if q == 1]
         decode_lens = torch.tensor(lens, dtype=torch.int64) if lens else None
-        return CpuPagedPlan(groups=groups, decode_lens=decode_lens)
+        decodes = None
+        if decode_lens is not None and len(lens) == len(batch.query_lens):
+            tables = groups[0].block_tables.contiguous()
+            decodes = DecodeBatch(batch.slot_mapping, tables, decode_lens)
+        return CpuPagedPlan(groups=groups, decode_lens=decode_lens, decodes=decodes)
 
     def attend(
         self,

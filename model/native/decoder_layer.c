@@ -5,6 +5,8 @@
  * decoder_attention_input: RMSNorm, the fused Q/K/V projection, RoPE on Q and K.
  * decoder_attention_output: O projection and residual, RMSNorm, gate/up projection,
  * SiLU(gate) * up, down projection and residual.
+ * decoder_layer_decode: for a batch of decodes, both around the cache writes and decode
+ * attention: the whole layer in one call.
  *
  * Each step rounds to bf16 where the PyTorch layer (model/llama.py) does: every op's output
  * is a bf16 tensor there, so it is here. Rows are computed alone, in the same order
@@ -13,6 +15,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "bf16.h"
 
@@ -108,5 +111,45 @@ done:
     free(normed);
     free(gate_up);
     free(act);
+    return status;
+}
+
+int paged_decode_bf16(const void *q, int64_t q_row_stride, const void *k_cache,
+                      const void *v_cache, const int64_t *block_tables, int64_t table_stride,
+                      const int64_t *seq_lens, void *out, int64_t rows, int64_t n_heads,
+                      int64_t n_kv, int64_t head_dim, int64_t block_size, float scale);
+
+/* The whole layer for a batch of decodes, one new token per row, in one call: the
+ * attention input, K and V stored at their cache slots, decode attention over the paged
+ * cache (paged_decode.c), the attention output. Caches [blocks, block_size, n_kv,
+ * head_dim]; slots [rows]; block_tables [rows, table_stride]; seq_lens [rows], the new
+ * token included. Returns 0, 1 for shapes past the attention kernel's buffers (nothing is
+ * written then), or 2 when out of memory. */
+int decoder_layer_decode(const decoder_layer *l, const uint16_t *h, int64_t rows,
+                         const float *cos, const float *sin, uint16_t *k_cache,
+                         uint16_t *v_cache, const int64_t *slots, const int64_t *block_tables,
+                         int64_t table_stride, const int64_t *seq_lens, int64_t block_size,
+                         float scale, uint16_t *out) {
+    const int64_t q_size = l->n_heads * l->head_dim, kv_size = l->n_kv * l->head_dim;
+    const int64_t width = q_size + 2 * kv_size, n = rows > 0 ? rows : 1;
+    if (l->head_dim > 256 || l->n_heads / l->n_kv > 32) return 1; /* paged_decode.c's */
+    uint16_t *qkv = malloc(sizeof(uint16_t) * n * width);
+    uint16_t *attn = malloc(sizeof(uint16_t) * n * q_size);
+    int status = 2;
+    if (!qkv || !attn) goto done;
+    if ((status = decoder_attention_input(l, h, rows, cos, sin, qkv))) goto done;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(k_cache + slots[r] * kv_size, qkv + r * width + q_size, sizeof(uint16_t) * kv_size);
+        memcpy(v_cache + slots[r] * kv_size, qkv + r * width + q_size + kv_size,
+               sizeof(uint16_t) * kv_size);
+    }
+    if ((status = paged_decode_bf16(qkv, width, k_cache, v_cache, block_tables, table_stride,
+                                    seq_lens, attn, rows, l->n_heads, l->n_kv, l->head_dim,
+                                    block_size, scale)))
+        goto done;
+    status = decoder_attention_output(l, h, attn, q_size, rows, out);
+done:
+    free(qkv);
+    free(attn);
     return status;
 }

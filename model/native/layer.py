@@ -4,18 +4,31 @@ models whose linear layers all run on the C int4 kernel.
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
 casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
 the attention backend, between the two calls, so prefill chunks keep SDPA and the cache
-writes stay the backend's.
+writes stay the backend's; except in a step of decodes only on the C attention, whose plan
+carries a `DecodeBatch`: there the whole layer, cache writes and attention included, is
+one call (another 50-80 µs of Python per layer at one stream).
 """
 
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
 from model.native.build import load_library
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+
+
+@dataclass
+class DecodeBatch:
+    """A step whose rows are all decodes, as `decode` reads it: the attention backend's
+    plan carries one (model/attention/cpu_paged.py)."""
+
+    slots: torch.Tensor  # [rows] int64: the cache slot of each row's new K/V
+    block_tables: torch.Tensor  # [rows, blocks] int64, rows contiguous
+    seq_lens: torch.Tensor  # [rows] int64, the new token included
 
 
 class _Int4Weight(ctypes.Structure):
@@ -53,6 +66,10 @@ class NativeDecoderLayer:
         self._output = library.decoder_attention_output
         self._output.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR]
         self._output.restype = ctypes.c_int
+        self._decode = library.decoder_layer_decode
+        self._decode.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64]
+        self._decode.argtypes += [_PTR, _I64, ctypes.c_float, _PTR]
+        self._decode.restype = ctypes.c_int
         c = layer.config
         self.q_size, self.kv_size, self.dim = c.q_size, c.kv_size, c.dim
         self.n_heads, self.n_kv, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
@@ -106,6 +123,48 @@ class NativeDecoderLayer:
         status = self._output(
             self._pointer, h.data_ptr(), flat.data_ptr(), flat.stride(0), rows, out.data_ptr()
         )
+        if status:
+            raise MemoryError("decoder layer: out of memory for its buffers")
+        return out
+
+    def decode(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        decodes: DecodeBatch,
+        scale: float,
+    ) -> torch.Tensor | None:
+        """The whole layer for a batch of decodes in one call; None where the cache does
+        not fit (another dtype, or a strided view): the caller then runs the layer."""
+        if not (
+            k_cache.dtype == v_cache.dtype == torch.bfloat16
+            and k_cache.is_contiguous()
+            and v_cache.is_contiguous()
+        ):
+            return None
+        rows = h.shape[0]
+        out = torch.empty_like(h)
+        status = self._decode(
+            self._pointer,
+            h.data_ptr(),
+            rows,
+            cos.data_ptr(),
+            sin.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            decodes.slots.data_ptr(),
+            decodes.block_tables.data_ptr(),
+            decodes.block_tables.stride(0),
+            decodes.seq_lens.data_ptr(),
+            k_cache.shape[1],
+            scale,
+            out.data_ptr(),
+        )
+        if status == 1:
+            return None  # shapes past the attention kernel's buffers; nothing was written
         if status:
             raise MemoryError("decoder layer: out of memory for its buffers")
         return out
