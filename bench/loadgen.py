@@ -71,6 +71,7 @@ class RunStats:
     ttft_p99_s: float
     itl_p50_s: float
     itl_p99_s: float
+    first_error: str | None = None  # what the first failed request reported
 
     @property
     def output_tok_s(self) -> float:
@@ -90,6 +91,7 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> RunStats:
         ttft_p99_s=percentile(ttfts, 0.99),
         itl_p50_s=percentile(itls, 0.50),
         itl_p99_s=percentile(itls, 0.99),
+        first_error=next((t.error for t in timings if t.error is not None), None),
     )
 
 

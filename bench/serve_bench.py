@@ -181,6 +181,9 @@ def report(scenario: Scenario, results: dict[str, tuple[RunStats, int]]) -> None
             f"{s.itl_p50_s * 1e3:>7.0f}ms{s.itl_p99_s * 1e3:>6.0f}ms{rss / 2**30:>8.2f}GB"
             f"{s.num_errors:>8}"
         )
+    for name, (s, _) in results.items():
+        if s.first_error:  # its tok/s counts only the requests that completed
+            print(f"{name}: {s.num_errors} failed, the first with {s.first_error}")
     if {"llamaserve", "json_schema"} <= results.keys():
         ratio = results["json_schema"][0].output_tok_s / results["llamaserve"][0].output_tok_s
         print(f"{'constrained':<13}{ratio:>6.2f}x of unconstrained tok/s")

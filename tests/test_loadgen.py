@@ -27,6 +27,7 @@ def test_summarize_counts_tokens_gaps_and_errors() -> None:
     failed = RequestTiming(sent=0.0, token_times=[9.0], num_tokens=1, error="HTTP 503")
     stats = summarize([fast, slow, failed], wall_s=4.0)
     assert (stats.num_requests, stats.num_errors, stats.output_tokens) == (3, 1, 5)
+    assert stats.first_error == "HTTP 503"
     assert stats.output_tok_s == pytest.approx(5 / 4.0)
     assert (stats.ttft_p50_s, stats.ttft_p99_s) == (pytest.approx(0.5), pytest.approx(2.0))
     # Gaps within each stream only: 0.1, 0.2 and 0.1; never across requests.
