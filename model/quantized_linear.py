@@ -21,6 +21,7 @@ from model.int4_kernel import INT4_KERNELS, choose_int4_kernel
 from model.native.ops import NativeInt4Matmul, NativeInt8Matmul
 
 INT4_GROUP = 32
+STAGE_ROWS = 1024
 QUANTIZATIONS = ("int8", "int4")
 
 
@@ -51,7 +52,12 @@ class QuantizedLinear(nn.Module):
             )
         if self._staging is None:
             self._staging = self._new_staging()
-        self._stage(row, weight.to(self.device, torch.float32))
+        # In slices: quantising takes a few float temporaries the size of what it is given,
+        # and a whole vocabulary's output weight (113 MB in fp32 for the default model) made
+        # them the server's peak memory.
+        for start in range(0, rows, STAGE_ROWS):
+            part = weight[start : start + STAGE_ROWS].to(self.device, torch.float32)
+            self._stage(row + start, part)
         self._rows_loaded += rows
         if self.ready:
             self._pack()
