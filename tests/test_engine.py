@@ -274,11 +274,16 @@ def test_batch_invariant_flag_gives_batch_invariant_greedy_output(prompts):
 
     loaded = load_model(dtype="auto", quantization="auto", batch_invariant=True, progress=False)
     assert loaded.model.embed_tokens.weight.dtype == torch.float32
-    tok = loaded.tokenizer
-    prompts = prompts[:8]  # two of them share a prefix; the plain test runs all 16
-    alone = [list(greedy_tokens(loaded.model, ids, MAX_TOKENS, tok.stop_ids)) for ids in prompts]
     # Half the prompts need half the cache to be preempted.
-    small_cache = {"kv_cache_memory": SCENARIOS["preemption"]["kv_cache_memory"] // 2}
+    assert_batch_invariant(loaded, prompts[:8], SCENARIOS["preemption"]["kv_cache_memory"] // 2)
+
+
+def assert_batch_invariant(loaded, prompts: list[list[int]], preempting_cache: int) -> None:
+    """Each prompt's greedy output alone equals its output crowded, chunked and preempted
+    (with `preempting_cache` bytes of KV cache)."""
+    tok = loaded.tokenizer
+    alone = [list(greedy_tokens(loaded.model, ids, MAX_TOKENS, tok.stop_ids)) for ids in prompts]
+    small_cache = {"kv_cache_memory": preempting_cache}
     for scenario in ("crowded", "chunked_prefill", "preemption"):
         engine = engine_for(
             loaded, **(small_cache if scenario == "preemption" else SCENARIOS[scenario])
@@ -305,17 +310,5 @@ def test_the_c_kernels_fast_path_is_batch_invariant(prompts, monkeypatch):
     loaded = loader.load_model(dtype="bfloat16", quantization="int4", progress=False)
     assert all(layer.native is not None for layer in loaded.model.layers)
     assert loaded.model.embed_from_head
-    tok = loaded.tokenizer
-    prompts = prompts[:8]
-    alone = [list(greedy_tokens(loaded.model, ids, MAX_TOKENS, tok.stop_ids)) for ids in prompts]
     # bf16 blocks are half the size of float32's: a quarter of the cache for half the prompts.
-    small_cache = {"kv_cache_memory": SCENARIOS["preemption"]["kv_cache_memory"] // 4}
-    for scenario in ("crowded", "chunked_prefill", "preemption"):
-        engine = engine_for(
-            loaded, **(small_cache if scenario == "preemption" else SCENARIOS[scenario])
-        )
-        requests = {f"r{i}": (ids, greedy()) for i, ids in enumerate(prompts)}
-        results, preemptions = run_engine(engine, requests)
-        assert preemptions > 0 or scenario != "preemption"
-        for i in range(len(prompts)):
-            assert results[(f"r{i}", 0)].token_ids == alone[i], (scenario, TEXTS[i])
+    assert_batch_invariant(loaded, prompts[:8], SCENARIOS["preemption"]["kv_cache_memory"] // 4)

@@ -2,19 +2,15 @@
 multiplied in fp32 by `F.linear`, in both of its builds (AVX-512 BF16 where the CPU has
 it, the portable loop everywhere); and the per-shape choice between it and PyTorch's."""
 
-import ctypes
-import shutil
-import subprocess
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import model.int4_kernel as int4_kernel
-from model.native.build import COMPILE_FLAGS, HERE, LINK_FLAGS, NativeUnavailable
+from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt4Matmul
 from model.quantized_linear import INT4_GROUP, Int4Linear
+from tests.native_builds import kernel_build
 
 SHAPES = [(576, 960), (1536, 576), (64, 32)]  # (in, out)
 ROWS = [1, 7, 8, 9, 33]  # around the kernel's blocks of 8 rows
@@ -39,28 +35,9 @@ def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
     return ((y.float() - reference).norm() / reference.norm()).item()
 
 
-def portable_build(tmp_path: Path) -> ctypes.CDLL:
-    """The kernel compiled without AVX-512 BF16, as an AVX2-only CPU builds it."""
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    target, obj = tmp_path / "int4_portable.so", tmp_path / "int4_portable.o"
-    # Compiled and linked in two steps as build.py does: linked with fast math, the
-    # library would turn on flush-to-zero for the whole test process.
-    compile_ = [compiler, *COMPILE_FLAGS, "-mno-avx512bf16", "-c", "-o", str(obj)]
-    if subprocess.run([*compile_, str(HERE / "int4_matmul.c")], check=False).returncode:
-        pytest.skip("this compiler has no -mno-avx512bf16 (not x86)")
-    subprocess.run([compiler, *LINK_FLAGS, "-o", str(target), str(obj)], check=True)
-    return ctypes.CDLL(str(target))
-
-
 @pytest.fixture(scope="module", params=["native", "portable"])
 def kernel(request, tmp_path_factory) -> NativeInt4Matmul:
-    if request.param == "native":
-        return NativeInt4Matmul()
-    built = NativeInt4Matmul(portable_build(tmp_path_factory.mktemp("portable")))
-    assert built.kind == "portable"
-    return built
+    return kernel_build(NativeInt4Matmul, "int4_matmul.c", request.param, tmp_path_factory)
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)

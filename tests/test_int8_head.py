@@ -2,10 +2,8 @@
 kernel against `F.linear` on the same weights in fp32, in both builds; GGUF Q8_0 groups
 held exactly; a tied model's embedding read from it; and when the loader takes it."""
 
-import ctypes
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ import model.weight_format as weight_format
 from model.batch import Batch
 from model.config import ModelConfig
 from model.llama import Llama
-from model.native.build import COMPILE_FLAGS, HERE, LINK_FLAGS, NativeUnavailable
+from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt8Matmul
 from model.paged_cache import PagedKVCache
 from model.quantized_linear import Int8GroupLinear
@@ -25,6 +23,7 @@ from model.weights.default_model import default_model_path
 from model.weights.gguf import output_exact_in_int8
 from model.weights.gguf_file import open_gguf
 from model.weights.safetensors import iter_safetensors, safetensors_files
+from tests.native_builds import kernel_build
 from tests.tiny_models import make_tiny_llama
 
 if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
@@ -44,23 +43,9 @@ def q8_0_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Ten
     return (q.float() * d.float()).reshape(out_features, in_features)
 
 
-def portable_build(tmp_path: Path) -> ctypes.CDLL:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    obj, target = tmp_path / "int8.o", tmp_path / "int8.so"
-    compile_ = [compiler, *COMPILE_FLAGS, "-mno-avx512bf16", "-c", "-o", str(obj)]
-    if subprocess.run([*compile_, str(HERE / "int8_matmul.c")], check=False).returncode:
-        pytest.skip("this compiler has no -mno-avx512bf16 (not x86)")
-    subprocess.run([compiler, *LINK_FLAGS, "-o", str(target), str(obj)], check=True)
-    return ctypes.CDLL(str(target))
-
-
 @pytest.fixture(scope="module", params=["native", "portable"])
 def kernel(request, tmp_path_factory) -> NativeInt8Matmul:
-    if request.param == "native":
-        return NativeInt8Matmul()
-    built = NativeInt8Matmul(portable_build(tmp_path_factory.mktemp("portable")))
-    assert built.kind == "portable"
-    return built
+    return kernel_build(NativeInt8Matmul, "int8_matmul.c", request.param, tmp_path_factory)
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 4096), (64, 48)])

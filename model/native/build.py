@@ -32,7 +32,7 @@ SOURCES = (
     "int8_matmul.c",
     "decoder_layer.c",
 )
-HEADERS = ("bf16.h",)
+HEADERS = ("bf16.h", "tiles.h")
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every
 # call. It is for compiling only: linked with it, gcc before 13 adds a constructor that

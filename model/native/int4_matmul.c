@@ -16,10 +16,8 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "tiles.h"
 
-#define TILE 16
-#define GROUP 32
-#define ROW_BLOCK 8
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -145,16 +143,9 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
             const uint16_t *xb = x + m0 * x_stride;
             const float *sb = xsum + m0 * groups;
             uint16_t *yb = y + m0 * n_out + t * TILE;
-            switch (rows - m0 < ROW_BLOCK ? rows - m0 : ROW_BLOCK) {
-            case 1: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 1); break;
-            case 2: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 2); break;
-            case 3: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 3); break;
-            case 4: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 4); break;
-            case 5: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 5); break;
-            case 6: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 6); break;
-            case 7: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 7); break;
-            default: tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, 8); break;
-            }
+#define BLOCK(n) tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, n)
+            FOR_ROW_BLOCK(rows - m0, BLOCK)
+#undef BLOCK
         }
     }
     free(xsum);

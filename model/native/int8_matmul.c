@@ -15,10 +15,8 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "tiles.h"
 
-#define TILE 16
-#define GROUP 32
-#define ROW_BLOCK 8
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -95,8 +93,9 @@ static inline void tile_block(const uint16_t *x, int64_t x_stride, int64_t group
 const char *int8_matmul_kind(void) { return INT8_KERNEL; }
 
 /* x [rows, x_stride] bf16; w, scales as above for n_out columns; y [rows, n_out] fp32.
- * n_out % 16 == 0 and k % 32 == 0, checked by the caller. */
-void int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
+ * n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0 (it allocates
+ * nothing; the status is int4_matmul_bf16's calling convention). */
+int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
                       float *y, int64_t rows, int64_t n_out, int64_t k) {
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
 #pragma omp parallel for schedule(static)
@@ -106,16 +105,10 @@ void int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, con
         for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
             const uint16_t *xb = x + m0 * x_stride;
             float *yb = y + m0 * n_out + t * TILE;
-            switch (rows - m0 < ROW_BLOCK ? rows - m0 : ROW_BLOCK) {
-            case 1: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 1); break;
-            case 2: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 2); break;
-            case 3: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 3); break;
-            case 4: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 4); break;
-            case 5: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 5); break;
-            case 6: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 6); break;
-            case 7: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 7); break;
-            default: tile_block(xb, x_stride, groups, wt, st, yb, n_out, 8); break;
-            }
+#define BLOCK(n) tile_block(xb, x_stride, groups, wt, st, yb, n_out, n)
+            FOR_ROW_BLOCK(rows - m0, BLOCK)
+#undef BLOCK
         }
     }
+    return 0;
 }

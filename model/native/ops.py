@@ -41,19 +41,43 @@ class NativeRmsNorm:
         return out
 
 
-class NativeInt4Matmul:
-    """Weight-only int4 matmul in C (int4_matmul.c) on its own tiled layout, made by `pack`.
-    Raises NativeUnavailable where the library cannot be built."""
+class _TiledMatmul:
+    """Calls a tiled weight-only matmul of the library (int4_matmul.c, int8_matmul.c): bf16
+    rows in, `out_dtype` rows out. Raises NativeUnavailable where the library cannot be
+    built."""
+
+    symbol: str
+    out_dtype: torch.dtype
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         library = library or load_library()
-        self.kernel = library.int4_matmul_bf16
+        self.kernel = getattr(library, f"{self.symbol}_bf16")
         self.kernel.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
         self.kernel.restype = ctypes.c_int
-        kind = library.int4_matmul_kind
+        kind = getattr(library, f"{self.symbol}_kind")
         kind.restype = ctypes.c_char_p
         # "avx512_bf16" or "portable": which loop this machine's build compiled.
         self.kind: str = kind().decode()
+
+    def __call__(
+        self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, out_features: int
+    ) -> torch.Tensor:
+        """x [rows, in] bf16, each row contiguous; returns [rows, out]."""
+        rows, in_features = x.shape
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        out = torch.empty(rows, out_features, dtype=self.out_dtype)
+        pointers = (x.data_ptr(), x.stride(0), weight.data_ptr(), scales.data_ptr())
+        if self.kernel(*pointers, out.data_ptr(), rows, out_features, in_features):
+            raise MemoryError(f"{self.symbol}: out of memory for its buffers")
+        return out
+
+
+class NativeInt4Matmul(_TiledMatmul):
+    """Weight-only int4 matmul in C (int4_matmul.c) on its own tiled layout, made by `pack`;
+    bf16 output."""
+
+    symbol, out_dtype = "int4_matmul", torch.bfloat16
 
     @staticmethod
     def pack(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,42 +92,12 @@ class NativeInt4Matmul:
         scales = scales_and_zeros.reshape(groups, tiles, 16, 2).permute(1, 0, 3, 2)
         return weight, scales.contiguous().reshape(-1)
 
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, out_features: int
-    ) -> torch.Tensor:
-        """x [rows, in] bf16 with contiguous rows; returns [rows, out] bf16."""
-        rows, in_features = x.shape
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        out = torch.empty(rows, out_features, dtype=torch.bfloat16)
-        status = self.kernel(
-            x.data_ptr(),
-            x.stride(0),
-            weight.data_ptr(),
-            scales.data_ptr(),
-            out.data_ptr(),
-            rows,
-            out_features,
-            in_features,
-        )
-        if status:
-            raise MemoryError("int4 matmul: out of memory for its row sums")
-        return out
 
-
-class NativeInt8Matmul:
+class NativeInt8Matmul(_TiledMatmul):
     """Weight-only int8 matmul in C (int8_matmul.c), in groups of 32 with fp32 scales and
-    fp32 output: the output projection. Raises NativeUnavailable where the library cannot
-    be built."""
+    fp32 output: the output projection."""
 
-    def __init__(self, library: ctypes.CDLL | None = None) -> None:
-        library = library or load_library()
-        self.kernel = library.int8_matmul_bf16
-        self.kernel.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
-        self.kernel.restype = None
-        kind = library.int8_matmul_kind
-        kind.restype = ctypes.c_char_p
-        self.kind: str = kind().decode()
+    symbol, out_dtype = "int8_matmul", torch.float32
 
     @staticmethod
     def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,23 +121,3 @@ class NativeInt8Matmul:
         scale = scales.view(-1, groups, 16)[tiles, :, column]  # [n, groups]
         values = q.reshape(-1, groups, 32).float() * scale[..., None]
         return values.reshape(-1, in_features)
-
-    def __call__(
-        self, x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, out_features: int
-    ) -> torch.Tensor:
-        """x [rows, in] bf16 with contiguous rows; returns [rows, out] fp32."""
-        rows, in_features = x.shape
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        out = torch.empty(rows, out_features, dtype=torch.float32)
-        self.kernel(
-            x.data_ptr(),
-            x.stride(0),
-            weight.data_ptr(),
-            scales.data_ptr(),
-            out.data_ptr(),
-            rows,
-            out_features,
-            in_features,
-        )
-        return out
