@@ -41,7 +41,8 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         choices=BACKENDS,
         help="auto (default): triton_paged on CUDA (paged kernels reading K/V in place); on the "
         "CPU cpu_paged (a C decode kernel reading K/V in place, built with the system's C "
-        "compiler), or torch_ref (plain PyTorch, the reference) where no compiler is found",
+        "compiler, with the C norms and decoder layers), or torch_ref (plain PyTorch, the "
+        "reference) where no compiler is found",
     )
     p.add_argument(
         "--dtype",
