@@ -77,7 +77,12 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         c = self.config
         scale = c.head_dim**-0.5
-        if self.native is not None and h.dtype == torch.bfloat16 and h.is_contiguous():
+        if (
+            self.native is not None
+            and h.dtype == torch.bfloat16
+            and h.is_contiguous()
+            and rope[0].dtype == torch.float32  # the C layer reads fp32 angles
+        ):
             decodes = getattr(plan, "decodes", None)  # the C attention's plan of decodes only
             if decodes is not None:
                 out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale)
