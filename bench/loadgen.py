@@ -41,6 +41,7 @@ class RequestTiming:
     token_times: list[float] = field(default_factory=list)  # one per streamed token chunk
     num_tokens: int = 0  # output tokens the server reported (usage), or chunks seen
     error: str | None = None
+    retried: bool = False  # sent again after the connection closed before any response
 
     @property
     def ttft_s(self) -> float | None:
@@ -72,6 +73,7 @@ class RunStats:
     itl_p50_s: float
     itl_p99_s: float
     first_error: str | None = None  # what the first failed request reported
+    num_retried: int = 0  # requests sent again after a connection closed unanswered
 
     @property
     def output_tok_s(self) -> float:
@@ -92,6 +94,7 @@ def summarize(timings: list[RequestTiming], wall_s: float) -> RunStats:
         itl_p50_s=percentile(itls, 0.50),
         itl_p99_s=percentile(itls, 0.99),
         first_error=next((t.error for t in timings if t.error is not None), None),
+        num_retried=sum(t.retried for t in timings),
     )
 
 
@@ -113,25 +116,43 @@ async def stream_one(
         **(extra or {}),
     }
     timing = RequestTiming(sent=time.monotonic())
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            if response.status_code != 200:
-                timing.error = f"HTTP {response.status_code}"
-                return timing
-            usage_tokens = None
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
-                    timing.token_times.append(time.monotonic())
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens")
-            timing.num_tokens = usage_tokens or len(timing.token_times)
-    except httpx.HTTPError as exc:
-        timing.error = f"{type(exc).__name__}: {exc}"
+    # A pooled connection the server closed while it sat idle (llama-server's HTTP library
+    # closes idle keep-alive connections after a few seconds) drops the request before any
+    # response: it is sent once more, as OpenAI's clients do, its time still counted from
+    # the first send.
+    for attempt in range(2):
+        try:
+            await _stream_into(timing, client, url, body)
+            return timing
+        except httpx.RemoteProtocolError as exc:
+            if attempt == 0 and not timing.token_times:
+                timing.retried = True
+                continue
+            timing.error = f"{type(exc).__name__}: {exc}"
+        except httpx.HTTPError as exc:
+            timing.error = f"{type(exc).__name__}: {exc}"
+        return timing
     return timing
+
+
+async def _stream_into(
+    timing: RequestTiming, client: httpx.AsyncClient, url: str, body: dict
+) -> None:
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            timing.error = f"HTTP {response.status_code}"
+            return
+        usage_tokens = None
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                timing.token_times.append(time.monotonic())
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens")
+        timing.num_tokens = usage_tokens or len(timing.token_times)
 
 
 async def run_closed_loop(

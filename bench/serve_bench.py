@@ -184,6 +184,8 @@ def report(scenario: Scenario, results: dict[str, tuple[RunStats, int]]) -> None
     for name, (s, _) in results.items():
         if s.first_error:  # its tok/s counts only the requests that completed
             print(f"{name}: {s.num_errors} failed, the first with {s.first_error}")
+        if s.num_retried:
+            print(f"{name}: {s.num_retried} sent again after a connection closed unanswered")
     if {"llamaserve", "json_schema"} <= results.keys():
         ratio = results["json_schema"][0].output_tok_s / results["llamaserve"][0].output_tok_s
         print(f"{'constrained':<13}{ratio:>6.2f}x of unconstrained tok/s")

@@ -5,9 +5,10 @@ against a real llamaserve so the benchmark cannot rot unnoticed."""
 import asyncio
 import math
 
+import httpx
 import pytest
 
-from bench.loadgen import RequestTiming, percentile, run_closed_loop, summarize
+from bench.loadgen import RequestTiming, percentile, run_closed_loop, stream_one, summarize
 from bench.serve_bench import SCENARIOS, make_prompts
 
 
@@ -55,3 +56,39 @@ def test_harness_against_llamaserve(live_server, tok) -> None:
     assert stats.num_errors == 0 and stats.num_requests == 3
     assert stats.output_tokens == 15  # ignore_eos: every request runs to max_tokens
     assert stats.ttft_p50_s > 0 and stats.itl_p50_s > 0 and stats.output_tok_s > 0
+
+
+def _sse_server(failures: int):
+    """A transport whose first `failures` requests lose their connection unanswered."""
+    calls = []
+    body = (
+        b'data: {"choices": [{"text": "a"}]}\n\ndata: {"choices": [{"text": "b"}]}\n\n'
+        b'data: {"choices": [], "usage": {"completion_tokens": 2}}\n\ndata: [DONE]\n\n'
+    )
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        if len(calls) <= failures:
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return httpx.Response(200, content=body)
+
+    return httpx.MockTransport(handle), calls
+
+
+@pytest.mark.parametrize(("failures", "error"), [(0, None), (1, None), (2, "RemoteProtocolError")])
+def test_a_request_dropped_unanswered_is_sent_once_more(failures, error) -> None:
+    transport, calls = _sse_server(failures)
+
+    async def one() -> RequestTiming:
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await stream_one(client, "http://peer/v1/completions", [1, 2], 2)
+
+    timing = asyncio.run(one())
+    assert len(calls) == min(failures + 1, 2)
+    assert timing.retried == (failures > 0)
+    if error is None:
+        assert timing.error is None and timing.num_tokens == 2 and len(timing.token_times) == 2
+    else:
+        assert timing.error.startswith(error)
+    stats = summarize([timing], wall_s=1.0)
+    assert stats.num_retried == (failures > 0)
