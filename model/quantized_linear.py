@@ -66,8 +66,12 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
+    staging_dtype: torch.dtype  # the integer type `_stage` writes
+
     def _new_staging(self) -> torch.Tensor:
-        raise NotImplementedError
+        return torch.empty(
+            self.out_features, self.in_features, dtype=self.staging_dtype, device=self.device
+        )
 
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         raise NotImplementedError
@@ -79,17 +83,14 @@ class QuantizedLinear(nn.Module):
 class Int8Linear(QuantizedLinear):
     """Symmetric int8, one scale per output row."""
 
+    staging_dtype = torch.int8
+
     def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
         super().__init__(in_features, out_features, device)
         self.register_buffer(
             "scales", torch.empty(out_features, dtype=torch.bfloat16, device=device)
         )
         self.register_buffer("weight_int8", torch.empty(0, dtype=torch.int8, device=device))
-
-    def _new_staging(self) -> torch.Tensor:
-        return torch.empty(
-            self.out_features, self.in_features, dtype=torch.int8, device=self.device
-        )
 
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         scale = weight.abs().amax(dim=1).clamp(min=1e-12) / 127.0
@@ -111,6 +112,8 @@ class Int4Linear(QuantizedLinear):
 
     kernel: "native" (C, its own tiled layout), "torch" (PyTorch's packed layout), or None
     to take the faster for this shape, timed once per process."""
+
+    staging_dtype = torch.uint8
 
     def __init__(
         self,
@@ -135,11 +138,6 @@ class Int4Linear(QuantizedLinear):
             torch.empty(groups, out_features, 2, dtype=torch.bfloat16, device=device),
         )
         self.register_buffer("weight_int4", torch.empty(0, dtype=torch.uint8, device=device))
-
-    def _new_staging(self) -> torch.Tensor:
-        return torch.empty(
-            self.out_features, self.in_features, dtype=torch.uint8, device=self.device
-        )
 
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         rows = weight.shape[0]
@@ -185,6 +183,8 @@ class Int8GroupLinear(QuantizedLinear):
     output weights) exactly, and reads half the bytes of a bf16 copy; tied, it is the
     embedding too (`embed`), so the vocabulary's weights exist once."""
 
+    staging_dtype = torch.int8
+
     def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
         if in_features % INT4_GROUP or out_features % 16:
             raise UnsupportedFormatError(
@@ -198,11 +198,6 @@ class Int8GroupLinear(QuantizedLinear):
             "scales", torch.empty(out_features, groups, dtype=torch.float32, device=device)
         )
         self.register_buffer("weight_int8", torch.empty(0, dtype=torch.int8, device=device))
-
-    def _new_staging(self) -> torch.Tensor:
-        return torch.empty(
-            self.out_features, self.in_features, dtype=torch.int8, device=self.device
-        )
 
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         rows = weight.shape[0]

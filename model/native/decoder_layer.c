@@ -118,6 +118,7 @@ int paged_decode_bf16(const void *q, int64_t q_row_stride, const void *k_cache,
                       const void *v_cache, const int64_t *block_tables, int64_t table_stride,
                       const int64_t *seq_lens, void *out, int64_t rows, int64_t n_heads,
                       int64_t n_kv, int64_t head_dim, int64_t block_size, float scale);
+int paged_decode_fits(int64_t n_heads, int64_t n_kv, int64_t head_dim);
 
 /* The whole layer for a batch of decodes, one new token per row, in one call: the
  * attention input, K and V stored at their cache slots, decode attention over the paged
@@ -132,7 +133,7 @@ int decoder_layer_decode(const decoder_layer *l, const uint16_t *h, int64_t rows
                          float scale, uint16_t *out) {
     const int64_t q_size = l->n_heads * l->head_dim, kv_size = l->n_kv * l->head_dim;
     const int64_t width = q_size + 2 * kv_size, n = rows > 0 ? rows : 1;
-    if (l->head_dim > 256 || l->n_heads / l->n_kv > 32) return 1; /* paged_decode.c's */
+    if (!paged_decode_fits(l->n_heads, l->n_kv, l->head_dim)) return 1;
     uint16_t *qkv = malloc(sizeof(uint16_t) * n * width);
     uint16_t *attn = malloc(sizeof(uint16_t) * n * q_size);
     int status = 2;

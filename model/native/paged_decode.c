@@ -108,4 +108,9 @@ static inline __attribute__((always_inline)) int paged_decode(
         n_heads, n_kv, head_dim, block_size, scale
 
 int paged_decode_bf16(ARGS) { return paged_decode(PASS, 1); }
+
+/* Whether shapes fit the fixed buffers above, for callers that must know before writing. */
+int paged_decode_fits(int64_t n_heads, int64_t n_kv, int64_t head_dim) {
+    return head_dim <= MAX_HEAD_DIM && n_heads / n_kv <= MAX_GROUP;
+}
 int paged_decode_f32(ARGS) { return paged_decode(PASS, 0); }
