@@ -18,6 +18,7 @@ from model.attention.base import AttentionBackend
 from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
 from model.config import ModelConfig
+from model.int4_kernel import NATIVE_INT4_KERNELS
 from model.native.layer import NativeDecoderLayer
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
@@ -159,7 +160,10 @@ class Llama(nn.Module):
             fits = (
                 layer.reduce is None
                 and layer.input_layernorm.weight.dtype == torch.bfloat16
-                and all(isinstance(p, Int4Linear) and p.kernel == "native" for p in projections)
+                and all(
+                    isinstance(p, Int4Linear) and p.kernel in NATIVE_INT4_KERNELS
+                    for p in projections
+                )
             )
             layer.native = NativeDecoderLayer(layer) if fits else None
             count += fits

@@ -1,8 +1,9 @@
 """Weight-only quantised linear layers for the CPU: int8 (one scale per output row) and
-int4 (groups of 32 along the input, a scale and a zero each), with bf16 activations. int8
-runs on PyTorch's packed kernel (`_weight_int8pack_mm`); int4 on ours in C
-(model/native/int4_matmul.c) or PyTorch's (`_weight_int4pack_mm_for_cpu`), whichever is
-faster for the layer's shape on this machine (model/int4_kernel.py).
+int4 (groups of 32 along the input, a scale and a zero each). int8 runs on PyTorch's
+packed kernel (`_weight_int8pack_mm`) with bf16 activations; int4 on ours in C, with bf16
+activations (model/native/int4_matmul.c) or int8 ones (int4_matmul_a8.c), or on PyTorch's
+(`_weight_int4pack_mm_for_cpu`), whichever is fastest for the layer's shape on this
+machine (model/int4_kernel.py).
 
 Weights arrive in rows (a fused QKV weight as its Q, K and V parts) and are quantised as
 they come, from the checkpoint's own values, so no full-precision copy of the model is
@@ -13,12 +14,14 @@ when its q span 0..15: the scale is d and the zero m + 8d. Nothing here knows th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from model.errors import UnsupportedFormatError
-from model.int4_kernel import INT4_KERNELS, choose_int4_kernel
-from model.native.ops import NativeInt4Matmul, NativeInt8Matmul
+from model.int4_kernel import INT4_KERNELS, NATIVE_INT4_KERNELS, choose_int4_kernel
+from model.native.ops import NativeInt4Matmul, NativeInt8Matmul, native_int4_matmul
 
 INT4_GROUP = 32
 STAGE_ROWS = 1024
@@ -110,8 +113,9 @@ class Int8Linear(QuantizedLinear):
 class Int4Linear(QuantizedLinear):
     """Asymmetric int4 in groups of 32 input columns: w = (q - 8) * scale + zero.
 
-    kernel: "native" (C, its own tiled layout), "torch" (PyTorch's packed layout), or None
-    to take the faster for this shape, timed once per process."""
+    kernel: "native" (C, its own tiled layout, bf16 activations), "native_a8" (the same
+    layout, activations rounded to int8 in groups of 32), "torch" (PyTorch's packed
+    layout), or None to take the fastest for this shape, timed once per process."""
 
     staging_dtype = torch.uint8
 
@@ -131,7 +135,7 @@ class Int4Linear(QuantizedLinear):
             raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {INT4_KERNELS}")
         super().__init__(in_features, out_features, device)
         self.kernel = kernel
-        self._native: NativeInt4Matmul | None = None
+        self._native: Callable[..., torch.Tensor] | None = None
         groups = in_features // INT4_GROUP
         self.register_buffer(
             "scales_and_zeros",
@@ -153,10 +157,10 @@ class Int4Linear(QuantizedLinear):
     def _pack(self) -> None:
         if self.kernel is None:
             self.kernel = choose_int4_kernel(self.in_features, self.out_features, self.device)
-        if self.kernel == "native":
-            self._native = NativeInt4Matmul()
+        if self.kernel in NATIVE_INT4_KERNELS:
+            self._native = native_int4_matmul(self.kernel)
             # Replaced, not kept beside: the weight exists once, in the kernel's layout.
-            self.weight_int4, self.scales_and_zeros = self._native.pack(
+            self.weight_int4, self.scales_and_zeros = NativeInt4Matmul.pack(
                 self._staging, self.scales_and_zeros
             )
         else:

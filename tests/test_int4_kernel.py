@@ -100,11 +100,11 @@ def test_the_faster_kernel_is_chosen(monkeypatch) -> None:
 
 
 def test_no_compiler_falls_back_to_pytorch(monkeypatch) -> None:
-    def unavailable() -> None:
+    def unavailable() -> NativeInt4Matmul:
         raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
 
     int4_kernel._choose_on_cpu.cache_clear()
-    monkeypatch.setattr(int4_kernel, "NativeInt4Matmul", unavailable)
+    monkeypatch.setattr(int4_kernel, "native_int4_matmul", lambda _: unavailable())
     assert int4_kernel.choose_int4_kernel(64, 32, torch.device("cpu")) == "torch"
     int4_kernel._choose_on_cpu.cache_clear()
 

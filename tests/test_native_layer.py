@@ -1,7 +1,7 @@
 """The decoder layer in two C calls (model/native/decoder_layer.c) against the PyTorch
-layer on the same bf16 + int4 weights: the same rounding points, so the outputs agree to
-a few bf16 units in the last place; a sequence's logits bit for bit the same alone and in
-a batch; and it is used exactly where every part of the layer fits."""
+layer on the same bf16 + int4 weights, on each C int4 kernel: the same rounding points, so
+the outputs agree to a few bf16 units in the last place; a sequence's logits bit for bit
+the same alone and in a batch; and it is used exactly where every part of the layer fits."""
 
 import os
 import shutil
@@ -20,10 +20,11 @@ if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ
     pytest.skip("no C compiler to build the kernels", allow_module_level=True)
 
 
-@pytest.fixture
-def tiny_dir(tmp_path, monkeypatch):
-    # The C int4 kernel whatever this machine's timing says: it is what is under test.
-    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: "native")
+@pytest.fixture(params=["native", "native_a8"])
+def tiny_dir(request, tmp_path, monkeypatch):
+    # A C int4 kernel whatever this machine's timing says: it is what is under test, with
+    # bf16 and with int8 activations.
+    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: request.param)
     make_tiny_llama(tmp_path, heads="gqa")
     write_tiny_tokenizer(tmp_path)
     return tmp_path

@@ -29,6 +29,7 @@ SOURCES = (
     "paged_decode.c",
     "rms_norm.c",
     "int4_matmul.c",
+    "int4_matmul_a8.c",
     "int8_matmul.c",
     "decoder_layer.c",
 )

@@ -27,11 +27,20 @@ void rms_norm_bf16(const void *x, const void *weight, void *out, int64_t rows, i
                    float eps);
 int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *sz,
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
+int int4_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                        const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 
 typedef struct {
     const uint8_t *weight; /* int4_matmul.c's tiled layout */
     const uint16_t *scales;
+    int64_t int8_activations; /* run on int4_matmul_a8.c, else on int4_matmul.c */
 } int4_weight;
+
+static int int4_matmul(const int4_weight *w, const uint16_t *x, int64_t x_stride, uint16_t *y,
+                       int64_t rows, int64_t n_out, int64_t k) {
+    return (w->int8_activations ? int4_matmul_a8_bf16 : int4_matmul_bf16)(
+        x, x_stride, w->weight, w->scales, y, rows, n_out, k);
+}
 
 /* Mirrored by a ctypes.Structure in model/native/layer.py: same fields, same order. */
 typedef struct {
@@ -50,8 +59,7 @@ int decoder_attention_input(const decoder_layer *l, const uint16_t *h, int64_t r
     uint16_t *normed = malloc(sizeof(uint16_t) * (rows > 0 ? rows : 1) * l->dim);
     if (normed == NULL) return 2;
     rms_norm_bf16(h, l->input_norm, normed, rows, l->dim, l->eps);
-    int status = int4_matmul_bf16(normed, l->dim, l->qkv.weight, l->qkv.scales, qkv, rows,
-                                  width, l->dim);
+    int status = int4_matmul(&l->qkv, normed, l->dim, qkv, rows, width, l->dim);
     free(normed);
     if (status) return status;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
@@ -85,14 +93,12 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
     uint16_t *act = malloc(sizeof(uint16_t) * n * ffn);
     int status = 2;
     if (!projected || !normed || !gate_up || !act) goto done;
-    if ((status = int4_matmul_bf16(attn, attn_stride, l->o.weight, l->o.scales, projected, rows,
-                                   dim, q_size)))
+    if ((status = int4_matmul(&l->o, attn, attn_stride, projected, rows, dim, q_size)))
         goto done;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(h[i], projected[i]);
     rms_norm_bf16(out, l->post_attention_norm, normed, rows, dim, l->eps);
-    if ((status = int4_matmul_bf16(normed, dim, l->gate_up.weight, l->gate_up.scales, gate_up,
-                                   rows, 2 * ffn, dim)))
+    if ((status = int4_matmul(&l->gate_up, normed, dim, gate_up, rows, 2 * ffn, dim)))
         goto done;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++)
@@ -101,8 +107,7 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
             const float silu = round_to(g / (1.0f + expf(-g)), 1);
             act[r * ffn + i] = to_bf16(silu * from_bf16(gate_up[r * 2 * ffn + ffn + i]));
         }
-    if ((status = int4_matmul_bf16(act, ffn, l->down.weight, l->down.scales, projected, rows,
-                                   dim, ffn)))
+    if ((status = int4_matmul(&l->down, act, ffn, projected, rows, dim, ffn)))
         goto done;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(out[i], projected[i]);

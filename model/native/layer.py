@@ -1,5 +1,6 @@
 """A decoder layer's work around attention in two C calls (decoder_layer.c), for bf16
-models whose linear layers all run on the C int4 kernel.
+models whose linear layers all run on the C int4 kernels (bf16 or int8 activations, per
+projection).
 
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
 casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
@@ -32,7 +33,7 @@ class DecodeBatch:
 
 
 class _Int4Weight(ctypes.Structure):
-    _fields_ = [("weight", _PTR), ("scales", _PTR)]
+    _fields_ = [("weight", _PTR), ("scales", _PTR), ("int8_activations", _I64)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -56,7 +57,7 @@ class _DecoderLayer(ctypes.Structure):
 
 class NativeDecoderLayer:
     """Holds one layer's weight pointers. `layer` is a DecoderLayer whose projections are
-    Int4Linear on the C kernel and whose norms are bf16: the caller checks."""
+    Int4Linear on a C kernel and whose norms are bf16: the caller checks."""
 
     def __init__(self, layer: torch.nn.Module) -> None:
         library = load_library()
@@ -79,7 +80,11 @@ class NativeDecoderLayer:
         for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
             self._tensors += [proj.weight_int4, proj.scales_and_zeros]
             weights.append(
-                _Int4Weight(proj.weight_int4.data_ptr(), proj.scales_and_zeros.data_ptr())
+                _Int4Weight(
+                    proj.weight_int4.data_ptr(),
+                    proj.scales_and_zeros.data_ptr(),
+                    proj.kernel == "native_a8",
+                )
             )
         self._struct = _DecoderLayer(
             layer.input_layernorm.weight.data_ptr(),

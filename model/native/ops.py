@@ -93,6 +93,18 @@ class NativeInt4Matmul(_TiledMatmul):
         return weight, scales.contiguous().reshape(-1)
 
 
+class NativeInt4A8Matmul(_TiledMatmul):
+    """int4 weights in NativeInt4Matmul's layout times int8 activations, quantised per row
+    in groups of 32 inside the call (int4_matmul_a8.c); bf16 output."""
+
+    symbol, out_dtype = "int4_matmul_a8", torch.bfloat16
+
+
+def native_int4_matmul(kernel: str) -> NativeInt4Matmul | NativeInt4A8Matmul:
+    """The C int4 matmul named by an Int4Linear kernel: "native" or "native_a8"."""
+    return NativeInt4A8Matmul() if kernel == "native_a8" else NativeInt4Matmul()
+
+
 class NativeInt8Matmul(_TiledMatmul):
     """Weight-only int8 matmul in C (int8_matmul.c), in groups of 32 with fp32 scales and
     fp32 output: the output projection."""

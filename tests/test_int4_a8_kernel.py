@@ -1,0 +1,94 @@
+"""The C int4 matmul with int8 activations (model/native/int4_matmul_a8.c), in both of its
+builds (AVX-512 VNNI where the CPU has it, the portable loop everywhere), against the
+same weights dequantised and the activations quantised here, independently, as the
+kernel documents (groups of 32, scale max |x| / 127, round to nearest even), multiplied
+in float64."""
+
+import pytest
+import torch
+
+import model.int4_kernel as int4_kernel
+from model.native.ops import NativeInt4A8Matmul, NativeInt4Matmul
+from model.quantized_linear import INT4_GROUP, Int4Linear
+from tests.native_builds import kernel_build
+from tests.test_int4_kernel import ROWS, SHAPES, dequantised, random_int4, relative_error
+
+
+def quantised_activations(x: torch.Tensor) -> torch.Tensor:
+    """x rounded to int8 per row in groups of 32 and scaled back, in float64."""
+    rows, width = x.shape
+    groups = x.float().reshape(rows, width // INT4_GROUP, INT4_GROUP)
+    top = groups.abs().amax(dim=-1, keepdim=True)
+    inverse = torch.where(top > 0, 127.0 / top, torch.zeros_like(top))
+    q = torch.round(groups * inverse)
+    assert q.abs().max() <= 127
+    return (q.double() * (top.double() / 127.0)).reshape(rows, width)
+
+
+def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What the kernel computes, in float64: quantised x times (q - 8) * scale, plus the
+    zeros times the sums of x itself."""
+    weight = dequantised(q, scales).double()
+    zero = scales[..., 1].double().T.repeat_interleave(INT4_GROUP, dim=1)
+    return quantised_activations(x) @ (weight - zero).T + x.double() @ zero.T
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def kernel(request, tmp_path_factory) -> NativeInt4A8Matmul:
+    return kernel_build(NativeInt4A8Matmul, "int4_matmul_a8.c", request.param, tmp_path_factory)
+
+
+@pytest.mark.parametrize(("in_features", "out_features"), SHAPES)
+def test_matches_the_quantised_product_in_float64(kernel, in_features, out_features) -> None:
+    q, scales, generator = random_int4(in_features, out_features)
+    weight, tiled = NativeInt4Matmul.pack(q, scales)
+    for rows in ROWS:
+        x = torch.randn(rows, in_features, generator=generator).bfloat16()
+        y = kernel(x, weight, tiled, out_features)
+        assert y.dtype == torch.bfloat16 and y.shape == (rows, out_features)
+        expected = reference(x, q, scales)
+        # bf16 output rounding alone leaves ~1.7e-3; rounding x to 8 bits ~6e-3 more.
+        assert relative_error(y.double(), expected) < 4e-3, rows
+        exact = x.double() @ dequantised(q, scales).double().T
+        assert relative_error(y.double(), exact) < 1.5e-2, rows
+
+
+def test_all_zero_groups_give_zero(kernel) -> None:
+    q, scales, _ = random_int4(64, 32)
+    weight, tiled = NativeInt4Matmul.pack(q, scales)
+    assert torch.equal(
+        kernel(torch.zeros(3, 64).bfloat16(), weight, tiled, 32), torch.zeros(3, 32).bfloat16()
+    )
+
+
+def test_a_row_alone_equals_it_in_a_batch(kernel) -> None:
+    q, scales, generator = random_int4(576, 960)
+    weight, tiled = NativeInt4Matmul.pack(q, scales)
+    x = torch.randn(33, 576, generator=generator).bfloat16()
+    batch = kernel(x, weight, tiled, 960)
+    for row in (0, 7, 8, 20, 32):
+        assert torch.equal(kernel(x[row : row + 1].clone(), weight, tiled, 960)[0], batch[row])
+
+
+def test_the_layer_runs_on_it_with_the_weight_held_once() -> None:
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(960, 576, generator=generator) * 0.05
+    x = torch.randn(9, 576, generator=generator)
+    outputs = {}
+    for name in ("native", "native_a8"):
+        layer = Int4Linear(576, 960, "cpu", kernel=name)
+        layer.load_rows(0, weight)
+        assert layer.weight_int4.numel() * layer.weight_int4.element_size() == 960 * 576 // 2
+        outputs[name] = layer(x).float()
+    assert 1e-4 < relative_error(outputs["native_a8"], outputs["native"]) < 1.5e-2
+
+
+def test_it_is_chosen_where_it_is_the_fastest(monkeypatch) -> None:
+    int4_kernel._choose_on_cpu.cache_clear()
+    timings = {"native": 2.0, "native_a8": 1.0, "torch": 3.0}
+    monkeypatch.setattr(int4_kernel, "_time_kernels", lambda *_: timings)
+    layer = Int4Linear(64, 32, "cpu")
+    layer.load_rows(0, torch.randn(32, 64))
+    assert layer.kernel == "native_a8"
+    assert layer(torch.randn(2, 64)).shape == (2, 32)
+    int4_kernel._choose_on_cpu.cache_clear()
