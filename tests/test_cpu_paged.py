@@ -43,13 +43,15 @@ def test_decode_logits_match_transformers(heads: str, tmp_path) -> None:
     assert (torch.cat(steps) - hf_logits(hf, ids)).abs().max().item() < 1e-4
 
 
-def _random_step(dtype: torch.dtype, seq_lens: list[int], prefill: int, seed: int = 0):
+def _random_step(
+    dtype: torch.dtype, seq_lens: list[int], prefill: int, seed: int = 0, head_dim: int = HEAD_DIM
+):
     """A step of one-token decodes with `seq_lens` tokens of context (the new one
     included), then one prefill of `prefill` tokens over 9 cached ones, over a cache full
     of random K/V, in blocks handed out in a scattered order."""
     g = torch.Generator().manual_seed(seed)
     num_blocks = 64
-    shape = (num_blocks + 1, BLOCK, N_KV, HEAD_DIM)
+    shape = (num_blocks + 1, BLOCK, N_KV, head_dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)
     order = torch.randperm(num_blocks, generator=g).tolist()
@@ -62,9 +64,9 @@ def _random_step(dtype: torch.dtype, seq_lens: list[int], prefill: int, seed: in
         computed.append(length - new)
     batch = Batch.build(tokens, computed, tables, BLOCK, null_block=num_blocks)
     t = batch.num_tokens
-    q = torch.randn(t, N_HEADS, HEAD_DIM, generator=g).to(dtype)
-    k = torch.randn(t, N_KV, HEAD_DIM, generator=g).to(dtype)
-    v = torch.randn(t, N_KV, HEAD_DIM, generator=g).to(dtype)
+    q = torch.randn(t, N_HEADS, head_dim, generator=g).to(dtype)
+    k = torch.randn(t, N_KV, head_dim, generator=g).to(dtype)
+    v = torch.randn(t, N_KV, head_dim, generator=g).to(dtype)
     return batch, q, k, v, k_cache, v_cache
 
 
@@ -74,15 +76,25 @@ def _attend(backend, batch, q, k, v, k_cache, v_cache) -> torch.Tensor:
         return backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, plan, 0.125)
 
 
-@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-def test_attention_matches_reference(dtype: torch.dtype, tol: float) -> None:
-    step = _random_step(dtype, seq_lens=[1, 4, 5, 16, 17, 70], prefill=6)
+# bf16 with head_dim 64 and 128 takes the kernel's AVX-512 path where the CPU has one; 32
+# and fp32 its generic loops.
+@pytest.mark.parametrize(
+    ("dtype", "tol", "head_dim"),
+    [
+        (torch.float32, 1e-5, 64),
+        (torch.bfloat16, 1e-2, 64),
+        (torch.bfloat16, 1e-2, 128),
+        (torch.bfloat16, 1e-2, 32),
+    ],
+)
+def test_attention_matches_reference(dtype: torch.dtype, tol: float, head_dim: int) -> None:
+    step = _random_step(dtype, seq_lens=[1, 4, 5, 16, 17, 70], prefill=6, head_dim=head_dim)
     got = _attend(CpuPagedBackend(), *step)
     want = _attend(TorchRefBackend(), *step)
     assert got.dtype == want.dtype == dtype
     # bf16 outputs are rounded from fp32 in both: at most a unit in the last place apart.
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
-    decodes_only = _random_step(dtype, seq_lens=[3, 40], prefill=1)  # a whole-batch group
+    decodes_only = _random_step(dtype, seq_lens=[3, 40], prefill=1, head_dim=head_dim)
     torch.testing.assert_close(
         _attend(CpuPagedBackend(), *decodes_only).float(),
         _attend(TorchRefBackend(), *decodes_only).float(),

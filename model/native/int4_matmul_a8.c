@@ -118,25 +118,25 @@ static inline void tile_block(const int8_t *xq, int64_t k, const group_constants
 
 const char *int4_matmul_a8_kind(void) { return INT4_A8_KERNEL; }
 
-/* Row m's K values in groups of 32, as xq (K offsets 0, 2, 1, 3 in each four) and its
- * group constants. */
+/* A row's K values in groups of 32, as xq (K offsets 0, 2, 1, 3 in each four) and its
+ * group constants; written as loops the compiler vectorises. */
 static void quantise_row(const uint16_t *x, int64_t groups, int8_t *xq, group_constants *c) {
     for (int64_t g = 0; g < groups; g++) {
         float v[GROUP], top = 0.0f, sum = 0.0f;
+        for (int j = 0; j < GROUP; j++) v[j] = from_bf16(x[g * GROUP + j]);
         for (int j = 0; j < GROUP; j++) {
-            v[j] = from_bf16(x[g * GROUP + j]);
             sum += v[j];
-            top = fabsf(v[j]) > top ? fabsf(v[j]) : top;
+            top = fmaxf(top, fabsf(v[j]));
         }
         const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-        int32_t total = 0;
-        for (int j = 0; j < GROUP; j++) {
-            const int32_t q = (int32_t)nearbyintf(v[j] * inverse);
-            /* stored position of K offset j: within each four, 0 1 2 3 -> 0 2 1 3 */
-            const int at = (j & ~3) | ((j & 1) << 1) | ((j >> 1) & 1);
-            xq[g * GROUP + at] = (int8_t)q;
-            total += q;
-        }
+        int32_t q[GROUP], total = 0;
+        for (int j = 0; j < GROUP; j++) q[j] = (int32_t)nearbyintf(v[j] * inverse);
+        for (int j = 0; j < GROUP; j++) total += q[j];
+        uint32_t fours[GROUP / 4];
+        for (int f = 0; f < GROUP / 4; f++)
+            fours[f] = (uint32_t)(q[4 * f] & 255) | (uint32_t)(q[4 * f + 2] & 255) << 8 |
+                       (uint32_t)(q[4 * f + 1] & 255) << 16 | (uint32_t)(q[4 * f + 3] & 255) << 24;
+        memcpy(xq + g * GROUP, fours, GROUP);
         c[g].d = top / 127.0f;
         c[g].offset = -8.0f * c[g].d * (float)total;
         c[g].sum = sum;
