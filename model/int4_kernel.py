@@ -28,19 +28,25 @@ logger = logging.getLogger(__name__)
 
 NATIVE_INT4_KERNELS = ("native", "native_a8")
 INT4_KERNELS = (*NATIVE_INT4_KERNELS, "torch")
+BF16_ACTIVATION_KERNELS = ("native", "torch")
 MEASURED_ROWS = (1, 8, 32)
 
 
-def choose_int4_kernel(in_features: int, out_features: int, device: torch.device) -> str:
+def choose_int4_kernel(
+    in_features: int,
+    out_features: int,
+    device: torch.device,
+    allowed: tuple[str, ...] = INT4_KERNELS,
+) -> str:
     if device.type != "cpu":
         return "torch"
-    return _choose_on_cpu(in_features, out_features)
+    return _choose_on_cpu(in_features, out_features, allowed)
 
 
 @cache
-def _choose_on_cpu(in_features: int, out_features: int) -> str:
+def _choose_on_cpu(in_features: int, out_features: int, allowed: tuple[str, ...]) -> str:
     with torch.inference_mode():
-        timings = _time_kernels(in_features, out_features)
+        timings = _time_kernels(in_features, out_features, allowed)
     best = min(timings, key=timings.get)
     logger.info(
         "int4 kernel for [%d x %d]: %s (geometric mean over %s rows: %s)",
@@ -53,16 +59,18 @@ def _choose_on_cpu(in_features: int, out_features: int) -> str:
     return best
 
 
-def _time_kernels(in_features: int, out_features: int) -> dict[str, float]:
-    """Milliseconds per call of each kernel this machine can run, as the geometric mean
-    over MEASURED_ROWS rows."""
+def _time_kernels(
+    in_features: int, out_features: int, allowed: tuple[str, ...]
+) -> dict[str, float]:
+    """Milliseconds per call of each allowed kernel this machine can run, as the geometric
+    mean over MEASURED_ROWS rows."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
     scales = torch.rand(in_features // 32, out_features, 2, generator=generator).bfloat16()
     kernels = {}
     try:
         weight, tiled_scales = NativeInt4Matmul.pack(q, scales)
-        for name in NATIVE_INT4_KERNELS:
+        for name in (kernel for kernel in NATIVE_INT4_KERNELS if kernel in allowed):
             kernel = native_int4_matmul(name)
             kernels[name] = lambda x, kernel=kernel: kernel(x, weight, tiled_scales, out_features)
     except NativeUnavailable as exc:

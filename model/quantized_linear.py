@@ -115,7 +115,8 @@ class Int4Linear(QuantizedLinear):
 
     kernel: "native" (C, its own tiled layout, bf16 activations), "native_a8" (the same
     layout, activations rounded to int8 in groups of 32), "torch" (PyTorch's packed
-    layout), or None to take the fastest for this shape, timed once per process."""
+    layout), or None to take the fastest of `allowed` for this shape, timed once per
+    process."""
 
     staging_dtype = torch.uint8
 
@@ -125,6 +126,7 @@ class Int4Linear(QuantizedLinear):
         out_features: int,
         device: torch.device | str,
         kernel: str | None = None,
+        allowed: tuple[str, ...] = INT4_KERNELS,
     ) -> None:
         if in_features % INT4_GROUP or out_features % 16:
             raise UnsupportedFormatError(
@@ -134,7 +136,7 @@ class Int4Linear(QuantizedLinear):
         if kernel is not None and kernel not in INT4_KERNELS:
             raise ValueError(f"unknown int4 kernel {kernel!r}; expected one of {INT4_KERNELS}")
         super().__init__(in_features, out_features, device)
-        self.kernel = kernel
+        self.kernel, self.allowed = kernel, allowed
         self._native: Callable[..., torch.Tensor] | None = None
         groups = in_features // INT4_GROUP
         self.register_buffer(
@@ -156,7 +158,9 @@ class Int4Linear(QuantizedLinear):
 
     def _pack(self) -> None:
         if self.kernel is None:
-            self.kernel = choose_int4_kernel(self.in_features, self.out_features, self.device)
+            self.kernel = choose_int4_kernel(
+                self.in_features, self.out_features, self.device, self.allowed
+            )
         if self.kernel in NATIVE_INT4_KERNELS:
             self._native = native_int4_matmul(self.kernel)
             # Replaced, not kept beside: the weight exists once, in the kernel's layout.
@@ -229,10 +233,15 @@ class Int8GroupLinear(QuantizedLinear):
 
 
 def quantized_linear(
-    quantization: str, in_features: int, out_features: int, device: torch.device | str
+    quantization: str,
+    in_features: int,
+    out_features: int,
+    device: torch.device | str,
+    int4_kernels: tuple[str, ...] = INT4_KERNELS,
 ) -> QuantizedLinear:
+    """int4_kernels: those an int4 layer may choose from (model/int4_kernel.py)."""
     if quantization == "int8":
         return Int8Linear(in_features, out_features, device)
     if quantization == "int4":
-        return Int4Linear(in_features, out_features, device)
+        return Int4Linear(in_features, out_features, device, allowed=int4_kernels)
     raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")

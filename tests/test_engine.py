@@ -296,16 +296,17 @@ def assert_batch_invariant(loaded, prompts: list[list[int]], preempting_cache: i
 
 
 @pytest.mark.slow
-def test_the_c_kernels_fast_path_is_batch_invariant(prompts, monkeypatch):
-    """bf16 activations with int4 layers, the int8 output projection and the C decoder
-    layers: every kernel on that path computes a row alone, so greedy output does not
-    depend on the batch even without --batch-invariant (forced to the C kernels here, as
-    an AVX-512 BF16 machine's timing picks them; with the bf16 output projection instead,
-    this fails)."""
+@pytest.mark.parametrize("int4_kernel", ["native", "native_a8"])
+def test_the_c_kernels_fast_path_is_batch_invariant(prompts, monkeypatch, int4_kernel):
+    """bf16 activations with int4 layers (bf16 or int8 activations into the products), the
+    int8 output projection, the C decoder layers and C attention for prefill and decode:
+    every kernel on that path computes a row alone, so greedy output does not depend on
+    the batch even without --batch-invariant (forced to the C kernels here, as an AVX-512
+    machine's timing picks them; with the bf16 output projection instead, this fails)."""
     import model.loader as loader
     import model.quantized_linear as quantized_linear
 
-    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: "native")
+    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: int4_kernel)
     monkeypatch.setattr(loader, "choose_head_int8", lambda *_: True)
     loaded = loader.load_model(dtype="bfloat16", quantization="int4", progress=False)
     assert all(layer.native is not None for layer in loaded.model.layers)

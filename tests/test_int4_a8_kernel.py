@@ -92,3 +92,22 @@ def test_it_is_chosen_where_it_is_the_fastest(monkeypatch) -> None:
     assert layer.kernel == "native_a8"
     assert layer(torch.randn(2, 64)).shape == (2, 32)
     int4_kernel._choose_on_cpu.cache_clear()
+
+
+def test_a_float32_model_keeps_its_activations_out_of_8_bits(monkeypatch, tmp_path) -> None:
+    """float32 is what exactness (--batch-invariant) or a CPU slow at bf16 asked for."""
+    from model.loader import load_model
+    from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
+
+    make_tiny_llama(tmp_path, heads="gqa")
+    write_tiny_tokenizer(tmp_path)
+    int4_kernel._choose_on_cpu.cache_clear()
+    timings = {"native": 2.0, "native_a8": 1.0, "torch": 3.0}
+    monkeypatch.setattr(
+        int4_kernel, "_time_kernels", lambda _in, _out, allowed: {k: timings[k] for k in allowed}
+    )
+    for dtype, expected in (("float32", "native"), ("bfloat16", "native_a8")):
+        model = load_model(tmp_path, dtype=dtype, quantization="int4", progress=False).model
+        kernels = {m.kernel for m in model.modules() if isinstance(m, Int4Linear)}
+        assert kernels == {expected}, dtype
+    int4_kernel._choose_on_cpu.cache_clear()

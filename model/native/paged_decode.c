@@ -244,3 +244,8 @@ int paged_decode_fits(int64_t n_heads, int64_t n_kv, int64_t head_dim) {
     return head_dim <= MAX_HEAD_DIM && n_heads / n_kv <= MAX_GROUP;
 }
 int paged_decode_f32(ARGS) { return paged_decode(PASS, 0); }
+
+/* Whether bf16 rows of this head size take the vectorised path above. */
+int paged_decode_vectorised(int64_t head_dim) {
+    return FAST_PAIRS && (head_dim == 64 || head_dim == 128);
+}
