@@ -8,8 +8,9 @@ it is 1.7-2.9x faster than PyTorch's at 1 to 512 rows. With int8 activations
 (int4_matmul_a8.c) AVX-512 VNNI takes twice the products per instruction, for rounding
 each row's activations to 8 bits in groups of 32. Elsewhere (an AVX2-only CPU gets the
 portable C loops, a machine without a compiler gets neither) the order may differ, so it
-is timed, not assumed. One kernel serves a shape at every batch size: a row's result
-must not depend on how many rows share its step.
+is timed, not assumed. `--quantization int4` (weight-only) chooses between the two with
+bf16 activations, `w4a8` takes the int8 one. One kernel serves a shape at every batch
+size: a row's result must not depend on how many rows share its step.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from functools import cache
 
 import torch
 
+from model.errors import UnsupportedFormatError
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt4Matmul, native_int4_matmul
 from model.timing import best_ms
@@ -47,23 +49,36 @@ def choose_int4_kernel(
 def _choose_on_cpu(in_features: int, out_features: int, allowed: tuple[str, ...]) -> str:
     with torch.inference_mode():
         timings = _time_kernels(in_features, out_features, allowed)
+    if not timings:
+        raise UnsupportedFormatError(
+            f"int4 with int8 activations (w4a8) runs on the C kernels only: {_why_no_native()}"
+        )
     best = min(timings, key=timings.get)
-    logger.info(
-        "int4 kernel for [%d x %d]: %s (geometric mean over %s rows: %s)",
-        out_features,
-        in_features,
-        best,
-        "/".join(map(str, MEASURED_ROWS)),
-        ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()),
-    )
+    if len(timings) > 1:
+        logger.info(
+            "int4 kernel for [%d x %d]: %s (geometric mean over %s rows: %s)",
+            out_features,
+            in_features,
+            best,
+            "/".join(map(str, MEASURED_ROWS)),
+            ", ".join(f"{name} {ms:.3f} ms" for name, ms in timings.items()),
+        )
     return best
+
+
+def _why_no_native() -> str:
+    try:
+        native_int4_matmul("native")
+    except NativeUnavailable as exc:
+        return str(exc)
+    return "they are available"
 
 
 def _time_kernels(
     in_features: int, out_features: int, allowed: tuple[str, ...]
 ) -> dict[str, float]:
     """Milliseconds per call of each allowed kernel this machine can run, as the geometric
-    mean over MEASURED_ROWS rows."""
+    mean over MEASURED_ROWS rows; one alone is not timed."""
     generator = torch.Generator().manual_seed(0)
     q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8, generator=generator)
     scales = torch.rand(in_features // 32, out_features, 2, generator=generator).bfloat16()
@@ -75,8 +90,13 @@ def _time_kernels(
             kernels[name] = lambda x, kernel=kernel: kernel(x, weight, tiled_scales, out_features)
     except NativeUnavailable as exc:
         logger.warning("int4 layers use PyTorch's kernel: %s", exc)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
-    kernels["torch"] = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales)
+    if "torch" in allowed:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+        kernels["torch"] = lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x, packed, 32, scales
+        )
+    if len(kernels) < 2:
+        return dict.fromkeys(kernels, 0.0)
     log_ms = dict.fromkeys(kernels, 0.0)
     for rows in MEASURED_ROWS:
         x = torch.randn(rows, in_features, generator=generator).bfloat16()

@@ -18,7 +18,7 @@ from model.attention.base import AttentionBackend
 from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
 from model.config import ModelConfig
-from model.int4_kernel import BF16_ACTIVATION_KERNELS, INT4_KERNELS, NATIVE_INT4_KERNELS
+from model.int4_kernel import NATIVE_INT4_KERNELS
 from model.native.layer import NativeDecoderLayer
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
@@ -169,19 +169,16 @@ class Llama(nn.Module):
             count += fits
         return count
 
-    def quantize_linears(self, quantization: str, dtype: torch.dtype = torch.float32) -> None:
+    def quantize_linears(self, quantization: str) -> None:
         """Swaps every decoder linear layer for an empty quantised one, before loading:
         weights then stream straight into the quantised form. The output projection keeps
         the model dtype: it is where 4 bits cost the most (GGUF files keep it at 8 bits or
-        more), and a tied one then shares the embedding's memory. A float32 model keeps its
-        activations out of 8 bits: float32 is what exactness (`--batch-invariant`) or a
-        CPU slow at bf16 asked for."""
-        kernels = INT4_KERNELS if dtype == torch.bfloat16 else BF16_ACTIVATION_KERNELS
+        more), and a tied one then shares the embedding's memory."""
         for owner in self.layers:
             for name, child in list(owner.named_children()):
                 if isinstance(child, nn.Linear):
                     replacement = quantized_linear(
-                        quantization, child.in_features, child.out_features, "meta", kernels
+                        quantization, child.in_features, child.out_features, "meta"
                     )
                     setattr(owner, name, replacement)
 
@@ -219,7 +216,7 @@ class Llama(nn.Module):
         with torch.device("meta"):
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
-                model.quantize_linears(quantization, dtype)
+                model.quantize_linears(quantization)
             if head_int8:
                 model.quantize_head()
         # The dtype is set while the tensors are still shapes: materialising in fp32 and

@@ -87,7 +87,7 @@ def load_model(
     attention_backend: str = "auto",
     tp: TensorParallel | None = None,
 ) -> LoadedModel:
-    """quantization: None keeps every weight in `dtype`; "int8" or "int4" quantises the
+    """quantization: None keeps every weight in `dtype`; "int8", "int4" or "w4a8" quantises the
     decoder's linear layers as they load (model/quantized_linear.py). dtype "auto" or
     quantization "auto" choose by timing this machine (model/weight_format.py), except
     under tensor parallelism (`tp`: this rank's shard only), where every rank must pick

@@ -24,7 +24,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
-from model.native.build import NativeUnavailable
+from model.native.build import NativeUnavailable, load_library
 from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, Int8GroupLinear, quantized_linear
 from model.timing import best_ms
 
@@ -38,12 +38,12 @@ NEAR_TIE = 0.25
 @dataclass(frozen=True)
 class WeightFormat:
     dtype: torch.dtype
-    quantization: str | None = None  # "int8", "int4", or None: weights in `dtype`
+    quantization: str | None = None  # "int8", "int4", "w4a8", or None: weights in `dtype`
 
     @property
     def bits_per_weight(self) -> int:
         if self.quantization is not None:
-            return int(self.quantization.removeprefix("int"))
+            return {"int8": 8, "int4": 4, "w4a8": 4}[self.quantization]
         return torch.finfo(self.dtype).bits
 
     def describe(self) -> str:
@@ -66,6 +66,10 @@ def candidate_formats(
     if batch_invariant:
         if dtype not in ("auto", "float32"):
             raise UnsupportedFormatError("--batch-invariant needs --dtype float32 (or auto)")
+        if quantization == "w4a8":
+            raise UnsupportedFormatError(
+                "--batch-invariant keeps activations in float32; w4a8 rounds them to int8"
+            )
         formats = candidate_formats("float32", quantization, checkpoint_bits, device)
         if quantization == "auto" and device.type == "cpu" and (checkpoint_bits or 16) <= 4:
             formats.append(WeightFormat(torch.float32, "int4"))
@@ -85,10 +89,21 @@ def candidate_formats(
         return floats
     # int4 in groups of 32 holds a 4-bit GGUF type exactly; int8 with one scale per row
     # holds none of the group-wise types exactly (1% error on Q4_1 weights), so it is
-    # never chosen for the user, only taken when asked for.
+    # never chosen for the user, only taken when asked for. w4a8 is the same int4 with
+    # the activations rounded to int8 in groups of 32: what llama.cpp computes for a Q4
+    # GGUF, and a candidate where its C kernel can be built.
     if checkpoint_bits <= 4:
-        return [*floats, WeightFormat(torch.bfloat16, "int4")]
+        quantised = ["int4", *(["w4a8"] if _native_available() else [])]
+        return [*floats, *(WeightFormat(torch.bfloat16, q) for q in quantised)]
     return floats
+
+
+def _native_available() -> bool:
+    try:
+        load_library()
+    except NativeUnavailable:
+        return False
+    return True
 
 
 def _float_formats(device: torch.device) -> list[WeightFormat]:
@@ -155,7 +170,8 @@ def choose_weight_format(
     timer: Callable[[WeightFormat], float],
 ) -> WeightFormat:
     """The fastest candidate by `timer` (ms), except that a more compact one within
-    `NEAR_TIE` of it wins: less memory is certain, a small timing lead is not. With 10%,
+    `NEAR_TIE` of it wins: less memory is certain, a small timing lead is not (between
+    equally compact ones, the faster). With 10%,
     bf16 (geometric mean 14.8-27.7 ms over six start-ups of a 2-core EPYC) against int4
     (15.3-19.7 ms) went either way, and bf16 is twice as slow at one stream (13 against
     5.9 ms of linear layers) and holds 3.5 times the memory. One candidate is taken
@@ -165,7 +181,7 @@ def choose_weight_format(
     timings = {fmt: timer(fmt) for fmt in candidates}
     fastest = min(timings.values())
     near = [fmt for fmt, ms in timings.items() if ms <= fastest * (1 + NEAR_TIE)]
-    best = min(near, key=lambda fmt: fmt.bits_per_weight)
+    best = min(near, key=lambda fmt: (fmt.bits_per_weight, timings[fmt]))
     logger.info(
         "weight format: %s (linear layers per step, geometric mean over batch %s: %s)",
         best.describe(),
@@ -185,12 +201,13 @@ def resolve_weight_format(
 ) -> WeightFormat:
     candidates = candidate_formats(dtype, quantization, checkpoint_bits, device, batch_invariant)
     if not int4_fits(config):
-        if candidates == [c for c in candidates if c.quantization == "int4"]:
+        int4 = ("int4", "w4a8")
+        if all(c.quantization in int4 for c in candidates):
             raise UnsupportedFormatError(
-                f"--quantization int4 needs layer inputs divisible by {INT4_GROUP} and outputs "
-                "by 16; this model's are not"
+                f"--quantization {candidates[0].quantization} needs layer inputs divisible by "
+                f"{INT4_GROUP} and outputs by 16; this model's are not"
             )
-        candidates = [c for c in candidates if c.quantization != "int4"]
+        candidates = [c for c in candidates if c.quantization not in int4]
     with torch.inference_mode():
         return choose_weight_format(candidates, lambda fmt: layer_step_ms(config, fmt, device))
 

@@ -55,9 +55,11 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--quantization",
         default="auto",
         choices=["auto", "none", *QUANTIZATIONS],
-        help="weight-only quantisation of the linear layers on the CPU (int8: a scale per row; "
-        "int4: groups of 32, exact for Q4 GGUF weights); auto (default) takes the fastest that "
-        "loses nothing the checkpoint holds",
+        help="quantisation of the linear layers on the CPU (int8: weight-only, a scale per row; "
+        "int4: weight-only, groups of 32, exact for Q4 GGUF weights; w4a8: int4 with the "
+        "activations rounded to int8 in groups of 32, as llama.cpp computes, faster with "
+        "AVX-512 VNNI); auto (default) takes the fastest that loses nothing the checkpoint "
+        "holds",
     )
     p.add_argument(
         "--batch-invariant",

@@ -46,7 +46,7 @@ class ServeConfig:
     # A dtype, or a name ("auto" times this machine); the CLI defaults to "auto", code that
     # builds a config to the exact float32 the transformers comparisons hold to.
     dtype: torch.dtype | str = torch.float32
-    quantization: str | None = None  # "int8", "int4", "auto"; None: weights in dtype
+    quantization: str | None = None  # "int8", "int4", "w4a8", "auto"; None: in dtype
     batch_invariant: bool = False  # only formats whose greedy output is batch-independent
     engine: EngineConfig = field(default_factory=EngineConfig)
     allowed_origins: list[str] = field(default_factory=list)

@@ -23,6 +23,7 @@ from tests.tiny_models import make_tiny_llama
 CPU = torch.device("cpu")
 FP32, BF16 = WeightFormat(torch.float32), WeightFormat(torch.bfloat16)
 INT8, INT4 = WeightFormat(torch.bfloat16, "int8"), WeightFormat(torch.bfloat16, "int4")
+W4A8 = WeightFormat(torch.bfloat16, "w4a8")
 
 
 def test_the_fastest_candidate_wins() -> None:
@@ -40,6 +41,13 @@ def test_a_near_tie_goes_to_the_more_compact_format() -> None:
     assert choose_weight_format([FP32, BF16, INT8, INT4], timings.__getitem__) == BF16
 
 
+def test_between_equally_compact_formats_the_faster_wins() -> None:
+    timings = {BF16: 20.0, INT4: 12.0, W4A8: 10.0}
+    assert choose_weight_format([BF16, INT4, W4A8], timings.__getitem__) == W4A8
+    timings[W4A8] = 13.0
+    assert choose_weight_format([BF16, INT4, W4A8], timings.__getitem__) == INT4
+
+
 def test_a_single_candidate_is_not_timed() -> None:
     def timer(fmt: WeightFormat) -> float:
         raise AssertionError("timed")
@@ -50,10 +58,12 @@ def test_a_single_candidate_is_not_timed() -> None:
 def test_auto_never_quantises_below_the_checkpoint() -> None:
     assert candidate_formats("auto", "auto", None, CPU) == [FP32, BF16]  # float weights
     assert candidate_formats("auto", "auto", 8, CPU) == [FP32, BF16]  # Q8_0: int8 per row is lossy
-    assert candidate_formats("auto", "auto", 4, CPU) == [FP32, BF16, INT4]  # Q4_1: exact in int4
+    # Q4_1: exact in int4, with bf16 activations or with int8 ones (the C kernels built here)
+    assert candidate_formats("auto", "auto", 4, CPU) == [FP32, BF16, INT4, W4A8]
     assert candidate_formats("auto", "int8", 4, CPU) == [INT8]  # asked for
     assert candidate_formats("float32", "auto", 4, CPU) == [FP32]
     assert candidate_formats("auto", "int4", None, CPU) == [INT4]  # asked for: lossy is fine
+    assert candidate_formats("auto", "w4a8", None, CPU) == [W4A8]
     assert candidate_formats("float32", "none", 4, CPU) == [FP32]
     assert candidate_formats("auto", "auto", 4, torch.device("cuda")) == [BF16]
     with pytest.raises(ValueError, match="CPU only"):
@@ -68,6 +78,8 @@ def test_batch_invariant_keeps_float32_activations() -> None:
     assert candidate_formats("auto", "int4", None, CPU, batch_invariant=True) == [f32_int4]
     with pytest.raises(UnsupportedFormatError, match="float32"):
         candidate_formats("bfloat16", "auto", 4, CPU, batch_invariant=True)
+    with pytest.raises(UnsupportedFormatError, match="w4a8"):
+        candidate_formats("auto", "w4a8", 4, CPU, batch_invariant=True)
 
 
 def test_int4_is_dropped_or_refused_for_shapes_it_cannot_pack() -> None:
@@ -78,13 +90,15 @@ def test_int4_is_dropped_or_refused_for_shapes_it_cannot_pack() -> None:
     assert resolve_weight_format(odd, CPU, "auto", "auto", 4) in (FP32, BF16)
     with pytest.raises(UnsupportedFormatError, match="int4 needs"):
         resolve_weight_format(odd, CPU, "auto", "int4", 4)
+    with pytest.raises(UnsupportedFormatError, match="w4a8 needs"):
+        resolve_weight_format(odd, CPU, "auto", "w4a8", 4)
 
 
 def test_layer_timing_runs_every_format_on_a_small_shape() -> None:
     config = ModelConfig(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=160, vocab_size=512
     )
-    for fmt in (FP32, BF16, INT8, INT4):
+    for fmt in (FP32, BF16, INT8, INT4, W4A8):
         assert layer_step_ms(config, fmt, CPU) > 0
 
 
@@ -101,6 +115,7 @@ FORMATS = {
     (torch.bfloat16, None): 0.05,
     (torch.bfloat16, "int8"): 0.1,
     (torch.bfloat16, "int4"): 1.0,
+    (torch.bfloat16, "w4a8"): 1.0,
     (torch.float32, "int4"): 1.0,
 }
 
