@@ -1,6 +1,7 @@
-/* Decode attention over a paged KV cache, for the CPU: one query token per sequence.
+/* Attention over a paged KV cache, for the CPU, one query token per row: a decode, or one
+ * query of a prefill chunk given its own length (its position + 1) and its sequence's table.
  *
- * Each (sequence, KV head) pair reads its keys and values in place, block by block through
+ * Each (row, KV head) pair reads its keys and values in place, block by block through
  * the block table, once: scores for the query heads sharing that KV head, a softmax over
  * the sequence's own length, then the weighted sum of the values, all in fp32. Nothing is
  * gathered or padded, and a sequence's result depends on its own data alone, computed in
