@@ -11,7 +11,14 @@ import model.int4_kernel as int4_kernel
 from model.native.ops import NativeInt4A8Matmul, NativeInt4Matmul
 from model.quantized_linear import INT4_GROUP, Int4Linear
 from tests.native_builds import kernel_build
-from tests.test_int4_kernel import ROWS, SHAPES, dequantised, random_int4, relative_error
+from tests.test_int4_kernel import (
+    ROWS,
+    SHAPES,
+    assert_a_row_alone_equals_it_in_a_batch,
+    dequantised,
+    random_int4,
+    relative_error,
+)
 
 
 def quantised_activations(x: torch.Tensor) -> torch.Tensor:
@@ -62,12 +69,7 @@ def test_all_zero_groups_give_zero(kernel) -> None:
 
 
 def test_a_row_alone_equals_it_in_a_batch(kernel) -> None:
-    q, scales, generator = random_int4(576, 960)
-    weight, tiled = NativeInt4Matmul.pack(q, scales)
-    x = torch.randn(33, 576, generator=generator).bfloat16()
-    batch = kernel(x, weight, tiled, 960)
-    for row in (0, 7, 8, 20, 32):
-        assert torch.equal(kernel(x[row : row + 1].clone(), weight, tiled, 960)[0], batch[row])
+    assert_a_row_alone_equals_it_in_a_batch(kernel)
 
 
 def test_the_layer_runs_on_it_with_the_weight_held_once() -> None:

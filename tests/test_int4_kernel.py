@@ -53,13 +53,19 @@ def test_matches_fp32_on_the_dequantised_weights(kernel, in_features, out_featur
         assert relative_error(y, F.linear(x.float(), reference_weight)) < 4e-3, rows
 
 
-def test_a_row_alone_equals_it_in_a_batch(kernel) -> None:
+def assert_a_row_alone_equals_it_in_a_batch(kernel) -> None:
+    """Rows in full and partial blocks of 8 against each alone; `kernel` reads
+    NativeInt4Matmul's layout."""
     q, scales, generator = random_int4(576, 960)
-    weight, tiled = kernel.pack(q, scales)
+    weight, tiled = NativeInt4Matmul.pack(q, scales)
     x = torch.randn(33, 576, generator=generator).bfloat16()
     batch = kernel(x, weight, tiled, 960)
     for row in (0, 7, 8, 20, 32):
         assert torch.equal(kernel(x[row : row + 1].clone(), weight, tiled, 960)[0], batch[row])
+
+
+def test_a_row_alone_equals_it_in_a_batch(kernel) -> None:
+    assert_a_row_alone_equals_it_in_a_batch(kernel)
 
 
 def test_strided_rows_are_read_in_place() -> None:

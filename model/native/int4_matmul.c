@@ -135,19 +135,11 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
             xsum[m * groups + g] = total;
         }
     const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *wt = w + t * tile_bytes;
-        const uint16_t *st = sz + t * tile_scales;
-        for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
-            const uint16_t *xb = x + m0 * x_stride;
-            const float *sb = xsum + m0 * groups;
-            uint16_t *yb = y + m0 * n_out + t * TILE;
-#define BLOCK(n) tile_block(xb, x_stride, sb, groups, wt, st, yb, n_out, n)
-            FOR_ROW_BLOCK(rows - m0, BLOCK)
+#define BLOCK(n)                                                                           \
+    tile_block(x + m0 * x_stride, x_stride, xsum + m0 * groups, groups, w + t * tile_bytes,       \
+               sz + t * tile_scales, y + m0 * n_out + t * TILE, n_out, n)
+    FOR_TILES_AND_ROW_BLOCKS(tiles, rows, BLOCK)
 #undef BLOCK
-        }
-    }
     free(xsum);
     return 0;
 }

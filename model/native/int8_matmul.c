@@ -98,17 +98,10 @@ const char *int8_matmul_kind(void) { return INT8_KERNEL; }
 int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
                       float *y, int64_t rows, int64_t n_out, int64_t k) {
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++) {
-        const uint8_t *wt = w + t * k * TILE;
-        const float *st = scales + t * groups * TILE;
-        for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
-            const uint16_t *xb = x + m0 * x_stride;
-            float *yb = y + m0 * n_out + t * TILE;
-#define BLOCK(n) tile_block(xb, x_stride, groups, wt, st, yb, n_out, n)
-            FOR_ROW_BLOCK(rows - m0, BLOCK)
+#define BLOCK(n)                                                                           \
+    tile_block(x + m0 * x_stride, x_stride, groups, w + t * k * TILE, scales + t * groups * TILE, \
+               y + m0 * n_out + t * TILE, n_out, n)
+    FOR_TILES_AND_ROW_BLOCKS(tiles, rows, BLOCK)
 #undef BLOCK
-        }
-    }
     return 0;
 }

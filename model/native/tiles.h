@@ -21,4 +21,13 @@
     default: BLOCK(8); break;                                                             \
     }
 
+/* The entry points' loop: tiles shared among the OpenMP team, each over its blocks of rows,
+ * BLOCK(n) as above with t (the tile) and m0 (the block's first row) in scope. */
+#define FOR_TILES_AND_ROW_BLOCKS(tiles, rows, BLOCK)                                      \
+    _Pragma("omp parallel for schedule(static)")                                          \
+    for (int64_t t = 0; t < (tiles); t++)                                                 \
+        for (int64_t m0 = 0; m0 < (rows); m0 += ROW_BLOCK) {                              \
+            FOR_ROW_BLOCK((rows) - m0, BLOCK)                                             \
+        }
+
 #endif
