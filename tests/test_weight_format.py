@@ -58,12 +58,11 @@ def test_a_single_candidate_is_not_timed() -> None:
 def test_auto_never_quantises_below_the_checkpoint() -> None:
     assert candidate_formats("auto", "auto", None, CPU) == [FP32, BF16]  # float weights
     assert candidate_formats("auto", "auto", 8, CPU) == [FP32, BF16]  # Q8_0: int8 per row is lossy
-    # Q4_1: exact in int4, with bf16 activations or with int8 ones (the C kernels built here)
-    assert candidate_formats("auto", "auto", 4, CPU) == [FP32, BF16, INT4, W4A8]
+    assert candidate_formats("auto", "auto", 4, CPU) == [FP32, BF16, INT4]  # Q4_1: exact in int4
     assert candidate_formats("auto", "int8", 4, CPU) == [INT8]  # asked for
     assert candidate_formats("float32", "auto", 4, CPU) == [FP32]
     assert candidate_formats("auto", "int4", None, CPU) == [INT4]  # asked for: lossy is fine
-    assert candidate_formats("auto", "w4a8", None, CPU) == [W4A8]
+    assert candidate_formats("auto", "w4a8", 4, CPU) == [W4A8]  # int8 activations: when asked
     assert candidate_formats("float32", "none", 4, CPU) == [FP32]
     assert candidate_formats("auto", "auto", 4, torch.device("cuda")) == [BF16]
     with pytest.raises(ValueError, match="CPU only"):
