@@ -120,8 +120,8 @@ class Int4Linear(QuantizedLinear):
 
     kernel: "native" (C, its own tiled layout, bf16 activations), "native_a8" (the same
     layout, activations rounded to int8 in groups of 32), "torch" (PyTorch's packed
-    layout), or None to take the fastest of `allowed` for this shape, timed once per
-    process."""
+    layout), or None to take the fastest of `allowed` (by default the weight-only ones, with
+    bf16 activations) for this shape, timed once per process."""
 
     staging_dtype = torch.uint8
 
@@ -131,7 +131,7 @@ class Int4Linear(QuantizedLinear):
         out_features: int,
         device: torch.device | str,
         kernel: str | None = None,
-        allowed: tuple[str, ...] = INT4_KERNELS,
+        allowed: tuple[str, ...] = BF16_ACTIVATION_KERNELS,
     ) -> None:
         if in_features % INT4_GROUP or out_features % 16:
             raise UnsupportedFormatError(
