@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from model.attention import attention_backend
+from model.attention.base import write_kv
 from model.attention.cpu_paged import CpuPagedBackend
 from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
@@ -115,6 +116,27 @@ def test_sequence_alone_equals_in_batch() -> None:
             backend, alone, q[row : row + 1], k[row : row + 1], v[row : row + 1], k_cache, v_cache
         )
         assert torch.equal(one[0], together[row]), row
+
+
+def test_a_prefill_chunk_equals_its_queries_decoded_one_by_one() -> None:
+    """A bf16 prefill runs on the kernel, each query alone: bit for bit what the same query
+    gets as a decode, so a prompt's attention does not depend on how it was chunked (SDPA,
+    the fallback, would differ in the last bits)."""
+    backend = CpuPagedBackend()
+    if not backend._vectorised(HEAD_DIM):
+        pytest.skip("prefills take the kernel only on its AVX-512 path")
+    prefill = 21
+    batch, q, k, v, k_cache, v_cache = _random_step(torch.bfloat16, [5], prefill=prefill)
+    chunk = _attend(backend, batch, q, k, v, k_cache, v_cache)[-prefill:]
+    write_kv(k, v, k_cache, v_cache, batch.slot_mapping)  # the chunk's K/V, as a chunk leaves it
+    table = batch.block_tables[1, : -(-(9 + prefill) // BLOCK)].tolist()
+    for j in range(prefill):
+        row = batch.num_tokens - prefill + j
+        alone = Batch.build([[0]], [9 + j], [table], BLOCK)
+        one = _attend(
+            backend, alone, q[row : row + 1], k[row : row + 1], v[row : row + 1], k_cache, v_cache
+        )
+        assert torch.equal(one[0], chunk[j]), j
 
 
 @pytest.fixture
