@@ -23,7 +23,7 @@ def portable_library(source: str, tmp_path: Path) -> ctypes.CDLL:
     compile_ = [compiler, *COMPILE_FLAGS, *without, "-c", "-o", str(obj)]
     if subprocess.run([*compile_, str(HERE / source)], check=False).returncode:
         pytest.skip("this compiler has no -mno-avx512bf16 (not x86)")
-    subprocess.run([compiler, *LINK_FLAGS, "-o", str(target), str(obj)], check=True)
+    subprocess.run([compiler, *LINK_FLAGS, "-o", str(target), str(obj), "-lm"], check=True)
     return ctypes.CDLL(str(target))
 
 

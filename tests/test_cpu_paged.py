@@ -21,6 +21,7 @@ from model.config import ModelConfig
 from model.llama import Llama
 from model.native import build
 from model.weights.safetensors import iter_safetensors, safetensors_files
+from tests.native_builds import portable_library
 from tests.test_llama import BLOCK, Blocks, cache_for, hf_logits
 from tests.tiny_models import make_tiny_llama
 
@@ -51,7 +52,7 @@ def _random_step(
     included), then one prefill of `prefill` tokens over 9 cached ones, over a cache full
     of random K/V, in blocks handed out in a scattered order."""
     g = torch.Generator().manual_seed(seed)
-    num_blocks = 64
+    num_blocks = 160
     shape = (num_blocks + 1, BLOCK, N_KV, head_dim)
     k_cache = torch.randn(shape, generator=g).to(dtype)
     v_cache = torch.randn(shape, generator=g).to(dtype)
@@ -79,6 +80,16 @@ def _attend(backend, batch, q, k, v, k_cache, v_cache) -> torch.Tensor:
 
 # bf16 with head_dim 64 and 128 takes the kernel's AVX-512 path where the CPU has one; 32
 # and fp32 its generic loops.
+@pytest.fixture(scope="module", params=["native", "without_avx512_bf16"])
+def backend(request, tmp_path_factory) -> CpuPagedBackend:
+    """The kernel as built here, and as a CPU with AVX-512 but not its BF16 extension
+    builds it (scores in fused multiply-adds instead of dpbf16)."""
+    if request.param == "native":
+        return CpuPagedBackend()
+    directory = tmp_path_factory.mktemp("without_bf16")
+    return CpuPagedBackend(portable_library("paged_decode.c", directory))
+
+
 @pytest.mark.parametrize(
     ("dtype", "tol", "head_dim"),
     [
@@ -88,24 +99,25 @@ def _attend(backend, batch, q, k, v, k_cache, v_cache) -> torch.Tensor:
         (torch.bfloat16, 1e-2, 32),
     ],
 )
-def test_attention_matches_reference(dtype: torch.dtype, tol: float, head_dim: int) -> None:
-    step = _random_step(dtype, seq_lens=[1, 4, 5, 16, 17, 70], prefill=6, head_dim=head_dim)
-    got = _attend(CpuPagedBackend(), *step)
+def test_attention_matches_reference(
+    backend: CpuPagedBackend, dtype: torch.dtype, tol: float, head_dim: int
+) -> None:
+    step = _random_step(dtype, seq_lens=[1, 4, 5, 16, 17, 70, 200], prefill=40, head_dim=head_dim)
+    got = _attend(backend, *step)
     want = _attend(TorchRefBackend(), *step)
     assert got.dtype == want.dtype == dtype
     # bf16 outputs are rounded from fp32 in both: at most a unit in the last place apart.
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     decodes_only = _random_step(dtype, seq_lens=[3, 40], prefill=1, head_dim=head_dim)
     torch.testing.assert_close(
-        _attend(CpuPagedBackend(), *decodes_only).float(),
+        _attend(backend, *decodes_only).float(),
         _attend(TorchRefBackend(), *decodes_only).float(),
         atol=tol,
         rtol=tol,
     )
 
 
-def test_sequence_alone_equals_in_batch() -> None:
-    backend = CpuPagedBackend()
+def test_sequence_alone_equals_in_batch(backend: CpuPagedBackend) -> None:
     lens = [33, 7, 130, 16, 1]
     batch, q, k, v, k_cache, v_cache = _random_step(torch.bfloat16, lens, prefill=4)
     together = _attend(backend, batch, q, k, v, k_cache, v_cache)
@@ -118,11 +130,10 @@ def test_sequence_alone_equals_in_batch() -> None:
         assert torch.equal(one[0], together[row]), row
 
 
-def test_a_prefill_chunk_equals_its_queries_decoded_one_by_one() -> None:
+def test_a_prefill_chunk_equals_its_queries_decoded_one_by_one(backend: CpuPagedBackend) -> None:
     """A bf16 prefill runs on the kernel, each query alone: bit for bit what the same query
     gets as a decode, so a prompt's attention does not depend on how it was chunked (SDPA,
     the fallback, would differ in the last bits)."""
-    backend = CpuPagedBackend()
     if not backend._vectorised(HEAD_DIM):
         pytest.skip("prefills take the kernel only on its AVX-512 path")
     prefill = 21

@@ -50,8 +50,8 @@ class CpuPagedBackend(TorchRefBackend):
 
     name = "cpu_paged"
 
-    def __init__(self) -> None:
-        library = load_library()
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        library = library or load_library()
         self.kernels: dict[torch.dtype, ctypes._CFuncPtr] = {}
         symbols = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
         for dtype, symbol in symbols.items():
