@@ -12,6 +12,7 @@ measure prefill honestly.
 from __future__ import annotations
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -20,6 +21,7 @@ import torch
 
 from bench.loadgen import make_prompt, percentile
 from model.loader import load_model
+from scheduler.async_engine import freeze_startup_objects
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
@@ -64,6 +66,7 @@ def main() -> None:
         make_prompt(loaded.tokenizer, rng, args.prompt_len) for _ in range(args.num_requests)
     ]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    freeze_startup_objects()  # as a started server does
 
     submitted, finished = 0, 0
     steps, decode_steps, ttft = [], [], []
@@ -113,6 +116,7 @@ def main() -> None:
             f"overhead, {args.concurrency}-way decode {100 * overhead(full_decode):6.1f} % "
             f"({len(full_decode)} steps)"
         )
+    gc.unfreeze()  # as a server's shutdown does
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ It must never call the engine from the event loop, nor block the loop on the eng
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import sys
 import threading
@@ -35,6 +36,17 @@ class EngineDead(RuntimeError):
     pass
 
 
+def freeze_startup_objects() -> None:
+    """Start-up leaves about 300,000 objects the garbage collector tracks (tokenizer
+    tables, imported modules, the model's), all alive until the process ends. Every
+    collection of the oldest generation walked them all: 150 ms on the default model, a
+    stall of whichever engine step it fell in, and 2-3% of a long prefill's time. Frozen,
+    collections walk only what serving allocates; `gc.unfreeze` at shutdown hands them
+    back."""
+    gc.collect()
+    gc.freeze()
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, on_step: Callable[[StepStats], None] | None = None) -> None:
         self.engine = engine
@@ -56,6 +68,7 @@ class AsyncEngine:
         # thread's own one wake through the kernel (scheduler/runner/openmp.py).
         release_openmp_workers()
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+        freeze_startup_objects()
         self.alive = True
         self._thread.start()
 
@@ -63,6 +76,7 @@ class AsyncEngine:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout_s)
+        gc.unfreeze()
 
     @property
     def thread_running(self) -> bool:

@@ -402,3 +402,12 @@ def test_a_started_engine_shortens_the_gil_switch_interval(live_server):
 
     assert live_server.state.engine.alive
     assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S
+
+
+def test_a_started_engine_freezes_the_start_up_objects(live_server):
+    """A collection of the oldest generation walked every object start-up left (150 ms on
+    the default model, a stall of whichever step it fell in); frozen, they are skipped."""
+    import gc
+
+    assert live_server.state.engine.alive
+    assert gc.get_freeze_count() > 10_000
