@@ -29,12 +29,16 @@ static inline __m512 bf16x16_to_ps(const uint16_t *p) {
 
 static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
-/* `rows` (1..ROW_BLOCK) rows of x against one tile; `rows` is a constant in each caller,
- * so the accumulators live in registers. Per group, the products (q - 8) x are exact in
- * fp32 and summed by dpbf16; scale and zero are applied once per group. */
+/* `rows` (1..ROW_BLOCK) rows of x against `tiles` (1 or 2) adjacent tiles, both
+ * constants in each caller, so the accumulators live in registers; each broadcast pair of
+ * x serves both tiles (4-5% faster than a tile at a time at 1 to 2048 rows). Per group,
+ * the products (q - 8) x are exact in fp32 and summed by dpbf16; scale and zero are
+ * applied once per group. A (row, column)'s operations and their order are the same
+ * whatever the block's shape. */
 static inline __attribute__((always_inline)) void tile_block(
     const uint16_t *x, int64_t x_stride, const float *xsum, int64_t groups,
-    const uint8_t *w, const uint16_t *sz, uint16_t *y, int64_t y_stride, const int rows) {
+    const uint8_t *w, int64_t tile_bytes, const uint16_t *sz, int64_t tile_scales,
+    uint16_t *y, int64_t y_stride, const int rows, const int tiles) {
     /* bf16 of q - 8 for q = 0..15, twice: vpermw reads five index bits, and the fifth is
      * the high nibble's lowest one, so both halves must agree. */
     static const uint16_t table_values[32] = {
@@ -43,34 +47,48 @@ static inline __attribute__((always_inline)) void tile_block(
         0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
         0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
     const __m512i table = _mm512_loadu_si512(table_values);
-    __m512 total[ROW_BLOCK];
-    for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
+    __m512 total[ROW_BLOCK][2];
+    for (int m = 0; m < rows; m++)
+        for (int j = 0; j < tiles; j++) total[m][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512 part[ROW_BLOCK];
-        for (int m = 0; m < rows; m++) part[m] = _mm512_setzero_ps();
-        const uint8_t *wg = w + g * (TILE * GROUP / 2);
+        __m512 part[ROW_BLOCK][2];
+        for (int m = 0; m < rows; m++)
+            for (int j = 0; j < tiles; j++) part[m][j] = _mm512_setzero_ps();
         for (int s = 0; s < GROUP / 4; s++) {
-            __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * s)));
-            __m512bh lo = as_bh(_mm512_permutexvar_epi16(bytes, table));
-            __m512bh hi = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
+            __m512bh lo[2], hi[2];
+            for (int j = 0; j < tiles; j++) {
+                const uint8_t *wg = w + j * tile_bytes + g * (TILE * GROUP / 2);
+                __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * s)));
+                lo[j] = as_bh(_mm512_permutexvar_epi16(bytes, table));
+                hi[j] = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
+            }
             const int64_t k = g * GROUP + 4 * s;
             for (int m = 0; m < rows; m++) {
                 int32_t pair0, pair1;
                 memcpy(&pair0, x + m * x_stride + k, 4);
                 memcpy(&pair1, x + m * x_stride + k + 2, 4);
-                part[m] = _mm512_dpbf16_ps(part[m], as_bh(_mm512_set1_epi32(pair0)), lo);
-                part[m] = _mm512_dpbf16_ps(part[m], as_bh(_mm512_set1_epi32(pair1)), hi);
+                const __m512bh x0 = as_bh(_mm512_set1_epi32(pair0));
+                const __m512bh x1 = as_bh(_mm512_set1_epi32(pair1));
+                for (int j = 0; j < tiles; j++) {
+                    part[m][j] = _mm512_dpbf16_ps(part[m][j], x0, lo[j]);
+                    part[m][j] = _mm512_dpbf16_ps(part[m][j], x1, hi[j]);
+                }
             }
         }
-        const __m512 scale = bf16x16_to_ps(sz + g * 2 * TILE);
-        const __m512 zero = bf16x16_to_ps(sz + g * 2 * TILE + TILE);
-        for (int m = 0; m < rows; m++) {
-            total[m] = _mm512_fmadd_ps(part[m], scale, total[m]);
-            total[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), zero, total[m]);
+        for (int j = 0; j < tiles; j++) {
+            const __m512 scale = bf16x16_to_ps(sz + j * tile_scales + g * 2 * TILE);
+            const __m512 zero = bf16x16_to_ps(sz + j * tile_scales + g * 2 * TILE + TILE);
+            for (int m = 0; m < rows; m++) {
+                total[m][j] = _mm512_fmadd_ps(part[m][j], scale, total[m][j]);
+                total[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), zero,
+                                              total[m][j]);
+            }
         }
     }
     for (int m = 0; m < rows; m++)
-        _mm256_storeu_si256((__m256i *)(y + m * y_stride), (__m256i)_mm512_cvtneps_pbh(total[m]));
+        for (int j = 0; j < tiles; j++)
+            _mm256_storeu_si256((__m256i *)(y + m * y_stride + j * TILE),
+                                (__m256i)_mm512_cvtneps_pbh(total[m][j]));
 }
 #define INT4_KERNEL "avx512_bf16"
 
@@ -91,7 +109,7 @@ static __attribute__((noinline)) void row_group(
         total[i] += part[i] * from_bf16(scale[i]) + xsum * from_bf16(zero[i]);
 }
 
-static inline void tile_block(
+static inline void one_tile(
     const uint16_t *x, int64_t x_stride, const float *xsum, int64_t groups,
     const uint8_t *w, const uint16_t *sz, uint16_t *y, int64_t y_stride, const int rows) {
     float total[ROW_BLOCK][TILE] = {{0}};
@@ -111,6 +129,14 @@ static inline void tile_block(
     }
     for (int m = 0; m < rows; m++)
         for (int i = 0; i < TILE; i++) y[m * y_stride + i] = to_bf16(total[m][i]);
+}
+static inline void tile_block(
+    const uint16_t *x, int64_t x_stride, const float *xsum, int64_t groups,
+    const uint8_t *w, int64_t tile_bytes, const uint16_t *sz, int64_t tile_scales,
+    uint16_t *y, int64_t y_stride, const int rows, const int tiles) {
+    for (int j = 0; j < tiles; j++)
+        one_tile(x, x_stride, xsum, groups, w + j * tile_bytes, sz + j * tile_scales,
+                 y + j * TILE, y_stride, rows);
 }
 #define INT4_KERNEL "portable"
 
@@ -135,10 +161,15 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
             xsum[m * groups + g] = total;
         }
     const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
-#define BLOCK(n)                                                                           \
-    tile_block(x + m0 * x_stride, x_stride, xsum + m0 * groups, groups, w + t * tile_bytes,       \
-               sz + t * tile_scales, y + m0 * n_out + t * TILE, n_out, n)
-    FOR_TILES_AND_ROW_BLOCKS(tiles, rows, BLOCK)
+#define BLOCK(n, pair)                                                                     \
+    tile_block(x + m0 * x_stride, x_stride, xsum + m0 * groups, groups, w + t * tile_bytes,   \
+               tile_bytes, sz + t * tile_scales, tile_scales, y + m0 * n_out + t * TILE, n_out, \
+               n, pair)
+#define PAIR(n) BLOCK(n, 2)
+#define SINGLE(n) BLOCK(n, 1)
+    FOR_TILE_PAIRS_AND_ROW_BLOCKS(tiles, rows, PAIR, SINGLE)
+#undef SINGLE
+#undef PAIR
 #undef BLOCK
     free(xsum);
     return 0;

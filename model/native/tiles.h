@@ -30,4 +30,20 @@
             FOR_ROW_BLOCK((rows) - m0, BLOCK)                                             \
         }
 
+/* The same over pairs of adjacent tiles, for kernels whose block takes two (each
+ * broadcast of x then serves both): PAIR(n) at tiles t and t + 1, SINGLE(n) for the last
+ * of an odd count. */
+#define FOR_TILE_PAIRS_AND_ROW_BLOCKS(tiles, rows, PAIR, SINGLE)                          \
+    _Pragma("omp parallel for schedule(static)")                                          \
+    for (int64_t pair = 0; pair < ((tiles) + 1) / 2; pair++) {                            \
+        const int64_t t = 2 * pair;                                                       \
+        for (int64_t m0 = 0; m0 < (rows); m0 += ROW_BLOCK) {                              \
+            if (t + 1 < (tiles)) {                                                        \
+                FOR_ROW_BLOCK((rows) - m0, PAIR)                                          \
+            } else {                                                                      \
+                FOR_ROW_BLOCK((rows) - m0, SINGLE)                                        \
+            }                                                                             \
+        }                                                                                 \
+    }
+
 #endif
