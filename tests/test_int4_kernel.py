@@ -12,8 +12,8 @@ from model.native.ops import NativeInt4Matmul
 from model.quantized_linear import INT4_GROUP, Int4Linear
 from tests.native_builds import kernel_build
 
-SHAPES = [(576, 960), (1536, 576), (64, 32)]  # (in, out)
-ROWS = [1, 7, 8, 9, 33]  # around the kernel's blocks of 8 rows
+SHAPES = [(576, 960), (1536, 576), (64, 32), (64, 48)]  # (in, out); 48: an odd count of tiles
+ROWS = [1, 7, 8, 9, 33]  # around the blocks of 8 rows; from 16, blocks of two tiles
 
 
 def random_int4(in_features: int, out_features: int, seed: int = 0):
