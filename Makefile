@@ -77,6 +77,10 @@ bench: $(STAMP)
 bench-replicas: $(STAMP) $(ROUTER_STAMP)
 	$(PY) -m bench.replica_bench $(ARGS)
 
+# Each weight format's greedy output against float32's, on the bundled model.
+accuracy: $(STAMP)
+	$(PY) -m bench.accuracy $(ARGS)
+
 bench-engine: $(STAMP)
 	$(PY) -m bench.engine_bench --num-requests 64 --concurrency 32 --prompt-len 128 --max-tokens 64 $(ARGS)
 
