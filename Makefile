@@ -8,7 +8,7 @@ ROUTER_VENV  := .venv-router
 ROUTER_STAMP := $(ROUTER_VENV)/.installed
 ARGS   ?=
 
-.PHONY: install serve test test-gpu replicas lint format bench bench-engine bench-gpu bench-replicas clean
+.PHONY: install serve test test-gpu replicas lint format bench accuracy bench-engine bench-gpu bench-replicas clean
 
 install: $(STAMP)
 
