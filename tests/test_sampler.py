@@ -1,12 +1,15 @@
 """model/sampler.py against per-row Python references and analytic distributions."""
 
 import math
+import os
 import random
+import shutil
 
 import pytest
 import torch
 
-from model.sampler import Sampler, SamplingMetadata
+from model.native.ops import NativeArgmax
+from model.sampler import Sampler, SamplingMetadata, greedy_ids
 
 DEVICES = [
     "cpu",
@@ -57,6 +60,35 @@ def test_greedy_is_argmax(device):
     temperature = [0.0, 1.0] * 8
     out = Sampler()(logits, metadata(16, 100, device, temperature=temperature))
     assert torch.equal(out.token_ids[::2], logits[::2].argmax(dim=-1))
+
+
+@pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"),
+    reason="no C compiler to build the kernels",
+)
+def test_greedy_ids_are_torch_argmax():
+    """The C argmax (model/native/argmax.c) against torch.argmax: ties across and within
+    its chunks, infinities, NaN (which torch ranks first), signed zeros, a row narrower
+    than the tensor, widths off the chunk size."""
+    generator = torch.Generator().manual_seed(3)
+    nan, inf = float("nan"), float("inf")
+    cases = [torch.randn(32, 49152, generator=generator), torch.randn(3, 1, generator=generator)]
+    for width in (1000, 513, 512, 7):
+        rows = torch.randn(9, width, generator=generator)
+        rows[1, [3, width - 1]] = 100.0  # equal maxima: the first wins
+        rows[2, [width // 2, width // 3]] = 100.0
+        rows[3] = -inf
+        rows[4, width - 1] = inf
+        rows[5, [width // 2, width - 1]] = nan
+        rows[6] = -1.0
+        rows[6, [width // 3, width // 2]] = torch.tensor([-0.0, 0.0])
+        rows[7, [width - 1, width // 2]] = torch.tensor([-nan, 50.0])
+        rows[8] = rows[8].round()  # many ties
+        cases += [rows, torch.randn(5, width + 40, generator=generator)[:, :width]]
+    kernel = NativeArgmax()
+    for logits in cases:
+        assert torch.equal(kernel(logits), logits.argmax(dim=-1)), logits.shape
+    assert greedy_ids(cases[0]).tolist() == kernel(cases[0]).tolist()
 
 
 def test_top_k_one_is_greedy():

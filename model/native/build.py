@@ -1,6 +1,6 @@
 """Builds the C kernels beside this file (paged attention, RMSNorm, int4 matmuls with bf16
-or int8 activations, the int8 matmul, the decoder layer around attention) into one shared
-library for this machine, once, and loads it with ctypes.
+or int8 activations, the int8 matmul, the decoder layer around attention, greedy argmax)
+into one shared library for this machine, once, and loads it with ctypes.
 
 C rather than a PyTorch extension: plain C with no PyTorch headers compiles in about a
 second with the system's compiler, so the library is simply built where it runs, with
@@ -32,6 +32,7 @@ SOURCES = (
     "int4_matmul_a8.c",
     "int8_matmul.c",
     "decoder_layer.c",
+    "argmax.c",
 )
 HEADERS = ("bf16.h", "tiles.h")
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's

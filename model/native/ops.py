@@ -133,3 +133,30 @@ class NativeInt8Matmul(_TiledMatmul):
         scale = scales.view(-1, groups, 16)[tiles, :, column]  # [n, groups]
         values = q.reshape(-1, groups, 32).float() * scale[..., None]
         return values.reshape(-1, in_features)
+
+
+class NativeArgmax:
+    """torch.argmax over the last dimension of fp32 CPU rows, in C (argmax.c). Raises
+    NativeUnavailable where the library cannot be built."""
+
+    def __init__(self) -> None:
+        self.kernel = load_library().argmax_rows
+        self.kernel.argtypes = [_PTR, _I64, _I64, _I64, _PTR]
+        self.kernel.restype = None
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor | None:
+        """logits [rows, vocab]. None where the kernel does not apply (another dtype,
+        device or layout): the caller then takes torch.argmax."""
+        if (
+            logits.dim() != 2
+            or logits.dtype != torch.float32
+            or logits.device.type != "cpu"
+            or logits.stride(1) != 1
+            or logits.shape[0] == 0
+            or logits.shape[1] == 0
+        ):
+            return None
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        rows, vocab = logits.shape
+        self.kernel(logits.data_ptr(), rows, vocab, logits.stride(0), out.data_ptr())
+        return out
