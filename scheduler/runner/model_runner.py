@@ -165,7 +165,8 @@ class ModelRunner:
             meta = sampling_metadata(
                 sampling, [self._generator(r) for r in sampling], vocab, self.device
             )
-            out = self.sampler(logits[[inputs.last_row(i) for i in indices], :vocab], meta)
+            rows = _sampled_rows(logits, [inputs.last_row(i) for i in indices])
+            out = self.sampler(rows[:, :vocab], meta)
             result.sampled = _sampled_tokens(sampling, out)
         except Exception:
             # Only the rows that sampled are lost; an exception escaping the step would stop
@@ -251,6 +252,17 @@ def _prompt_logprobs(req: ScheduledRequest, logits: torch.Tensor) -> list[TokenL
         TokenLogprob(token, lp, list(zip(ids, lps, strict=True)))
         for token, lp, ids, lps in zip(targets.tolist(), chosen_l, ids_l, lps_l, strict=True)
     ]
+
+
+def _sampled_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The logits rows that sample, as a view where they are consecutive (every step of
+    decodes only, and most others): indexing by a list copies them all, 0.8 ms for 32
+    rows of a 49k vocabulary on 2 cores, in every step. The sampler never writes to its
+    input (model/sampler.py)."""
+    first = rows[0]
+    if rows == list(range(first, first + len(rows))):
+        return logits[first : first + len(rows)]
+    return logits[rows]
 
 
 def _sampled_tokens(reqs: list[ScheduledRequest], out: SamplerOutput) -> dict[str, SampledToken]:
