@@ -8,8 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Shared fixtures: the real server for API tests; the tokenizers for tokenizer tests.
-pytest_plugins = ["tests.live_server", "tests.smollm2_fixtures"]
+# Shared fixtures: the real server for API tests; the tokenizers for tokenizer tests; the C
+# kernels' instruction level.
+pytest_plugins = ["tests.live_server", "tests.smollm2_fixtures", "tests.native_builds"]
 
 # More BLAS threads than free cores makes every op wait at a barrier (tens of times
 # slower); LLAMASERVE_TEST_THREADS=1 when something else is busy on the machine.

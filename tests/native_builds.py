@@ -1,36 +1,38 @@
-"""The C matmul kernels in both builds a machine may get: the one `model/native/build.py`
-makes here, and the portable loop an AVX2-only CPU compiles (built here without AVX-512
-BF16 and VNNI), for tests to run the same checks on each."""
+"""The C kernels at every instruction level this machine can execute (model/native/build.py):
+its own, AVX-512 without BF16 and VNNI, AVX2 and baseline x86-64, each taking other loops,
+so a machine runs the checks an AVX2-only CPU would run as well as its own."""
 
 import ctypes
-import shutil
-import subprocess
-from pathlib import Path
+import os
 
 import pytest
 
-from model.native.build import COMPILE_FLAGS, HERE, LINK_FLAGS
+from model.native.build import NativeUnavailable, executable_isas, library_for
+
+ISAS = executable_isas()
+# The levels the engine-wide invariance tests run at: each machine class we serve on.
+MACHINE_ISAS = tuple(isa for isa in ISAS if isa != "avx512")
 
 
-def portable_library(source: str, tmp_path: Path) -> ctypes.CDLL:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        pytest.skip("no C compiler")
-    obj, target = tmp_path / "portable.o", tmp_path / "portable.so"
-    # Compiled and linked in two steps as build.py does: linked with fast math, the
-    # library would turn on flush-to-zero for the whole test process.
-    without = ["-mno-avx512bf16", "-mno-avx512vnni"]
-    compile_ = [compiler, *COMPILE_FLAGS, *without, "-c", "-o", str(obj)]
-    if subprocess.run([*compile_, str(HERE / source)], check=False).returncode:
-        pytest.skip("this compiler has no -mno-avx512bf16 (not x86)")
-    subprocess.run([compiler, *LINK_FLAGS, "-o", str(target), str(obj), "-lm"], check=True)
-    return ctypes.CDLL(str(target))
+def library_at(isa: str) -> ctypes.CDLL:
+    """The library built for `isa`; skipped where no compiler builds it, except under CI,
+    whose script installs one."""
+    try:
+        return library_for(isa)
+    except NativeUnavailable:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip("the C kernels cannot be built here")
 
 
-def kernel_build(cls: type, source: str, build: str, tmp_path_factory):
-    """`cls` (a _TiledMatmul of model/native/ops.py) on the build named `build`."""
-    if build == "native":
-        return cls()
-    kernel = cls(portable_library(source, tmp_path_factory.mktemp("portable")))
-    assert kernel.kind == "portable"
-    return kernel
+def kernel_build(cls: type, isa: str):
+    """`cls` (a _TiledMatmul of model/native/ops.py) on the build for `isa`."""
+    return cls(library_at(isa))
+
+
+@pytest.fixture
+def cpu_isa(request, monkeypatch) -> str:
+    """Every library loaded while the test runs is the build for `request.param`."""
+    library_at(request.param)
+    monkeypatch.setenv("LLAMASERVE_CPU_ISA", request.param)
+    return request.param

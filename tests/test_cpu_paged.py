@@ -21,7 +21,7 @@ from model.config import ModelConfig
 from model.llama import Llama
 from model.native import build
 from model.weights.safetensors import iter_safetensors, safetensors_files
-from tests.native_builds import portable_library
+from tests.native_builds import ISAS, library_at
 from tests.test_llama import BLOCK, Blocks, cache_for, hf_logits
 from tests.tiny_models import make_tiny_llama
 
@@ -78,16 +78,12 @@ def _attend(backend, batch, q, k, v, k_cache, v_cache) -> torch.Tensor:
         return backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, plan, 0.125)
 
 
-# bf16 with head_dim 64 and 128 takes the kernel's AVX-512 path where the CPU has one; 32
-# and fp32 its generic loops.
-@pytest.fixture(scope="module", params=["native", "without_avx512_bf16"])
-def backend(request, tmp_path_factory) -> CpuPagedBackend:
-    """The kernel as built here, and as a CPU with AVX-512 but not its BF16 extension
-    builds it (scores in fused multiply-adds instead of dpbf16)."""
-    if request.param == "native":
-        return CpuPagedBackend()
-    directory = tmp_path_factory.mktemp("without_bf16")
-    return CpuPagedBackend(portable_library("paged_decode.c", directory))
+# bf16 with head_dim 64 and 128 takes the kernel's AVX-512 path where the level has one
+# (scores by dpbf16 with AVX-512 BF16, by fused multiply-adds without); 32, fp32 and the
+# AVX2 and portable levels its generic loops.
+@pytest.fixture(scope="module", params=ISAS)
+def backend(request) -> CpuPagedBackend:
+    return CpuPagedBackend(library_at(request.param))
 
 
 @pytest.mark.parametrize(
@@ -131,11 +127,9 @@ def test_sequence_alone_equals_in_batch(backend: CpuPagedBackend) -> None:
 
 
 def test_a_prefill_chunk_equals_its_queries_decoded_one_by_one(backend: CpuPagedBackend) -> None:
-    """A bf16 prefill runs on the kernel, each query alone: bit for bit what the same query
-    gets as a decode, so a prompt's attention does not depend on how it was chunked (SDPA,
-    the fallback, would differ in the last bits)."""
-    if not backend._vectorised(HEAD_DIM):
-        pytest.skip("prefills take the kernel only on its AVX-512 path")
+    """A bf16 prefill runs on the kernel at every level, each query alone: bit for bit what
+    the same query gets as a decode, so a prompt's attention does not depend on how it was
+    chunked (SDPA, the fallback, would differ in the last bits)."""
     prefill = 21
     batch, q, k, v, k_cache, v_cache = _random_step(torch.bfloat16, [5], prefill=prefill)
     chunk = _attend(backend, batch, q, k, v, k_cache, v_cache)[-prefill:]
@@ -154,9 +148,9 @@ def test_a_prefill_chunk_equals_its_queries_decoded_one_by_one(backend: CpuPaged
 def fresh_build(tmp_path, monkeypatch):
     """A kernel cache of its own, and no library loaded yet in this process."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    build.load_library.cache_clear()
+    build.library_for.cache_clear()
     yield tmp_path
-    build.load_library.cache_clear()
+    build.library_for.cache_clear()
 
 
 def test_built_once_per_machine(fresh_build) -> None:
@@ -164,7 +158,7 @@ def test_built_once_per_machine(fresh_build) -> None:
     built = list(build.cache_dir().glob("*.so"))
     assert len(built) == 1 and build.cache_dir().is_relative_to(fresh_build)
     mtime = built[0].stat().st_mtime_ns
-    build.load_library.cache_clear()
+    build.library_for.cache_clear()
     build.load_library()
     assert built[0].stat().st_mtime_ns == mtime  # loaded, not rebuilt
 

@@ -12,6 +12,7 @@ from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
 from tests.engine_driver import run_engine
+from tests.native_builds import MACHINE_ISAS
 
 MAX_TOKENS = 20
 SHARED = (
@@ -296,13 +297,16 @@ def assert_batch_invariant(loaded, prompts: list[list[int]], preempting_cache: i
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("cpu_isa", MACHINE_ISAS, indirect=True)
 @pytest.mark.parametrize("int4_kernel", ["native", "native_a8"])
-def test_the_c_kernels_fast_path_is_batch_invariant(prompts, monkeypatch, int4_kernel):
+def test_the_c_kernels_fast_path_is_batch_invariant(prompts, monkeypatch, int4_kernel, cpu_isa):
     """bf16 activations with int4 layers (bf16 or int8 activations into the products), the
     int8 output projection, the C decoder layers and C attention for prefill and decode:
     every kernel on that path computes a row alone, so greedy output does not depend on
     the batch even without --batch-invariant (forced to the C kernels here, as an AVX-512
-    machine's timing picks them; with the bf16 output projection instead, this fails)."""
+    machine's timing picks them; with the bf16 output projection instead, this fails).
+    At each instruction level the kernels are built for, each taking its own loops (with
+    SDPA for the AVX2 and portable builds' prefills, chunking changed greedy tokens)."""
     import model.loader as loader
     import model.quantized_linear as quantized_linear
 

@@ -1,5 +1,6 @@
-"""The C int4 matmul with int8 activations (model/native/int4_matmul_a8.c), in both of its
-builds (AVX-512 VNNI where the CPU has it, the portable loop everywhere), against the
+"""The C int4 matmul with int8 activations (model/native/int4_matmul_a8.c), built for
+every instruction level the machine executes (AVX-512 VNNI where the level has it, the
+portable loop at the others), against the
 same weights dequantised and the activations quantised here, independently, as the
 kernel documents (groups of 32, scale max |x| / 127, round to nearest even), multiplied
 in float64."""
@@ -10,7 +11,7 @@ import torch
 import model.int4_kernel as int4_kernel
 from model.native.ops import NativeInt4A8Matmul, NativeInt4Matmul
 from model.quantized_linear import INT4_GROUP, Int4Linear
-from tests.native_builds import kernel_build
+from tests.native_builds import ISAS, kernel_build
 from tests.test_int4_kernel import (
     ROWS,
     SHAPES,
@@ -40,9 +41,9 @@ def reference(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.T
     return quantised_activations(x) @ (weight - zero).T + x.double() @ zero.T
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
-def kernel(request, tmp_path_factory) -> NativeInt4A8Matmul:
-    return kernel_build(NativeInt4A8Matmul, "int4_matmul_a8.c", request.param, tmp_path_factory)
+@pytest.fixture(scope="module", params=ISAS)
+def kernel(request) -> NativeInt4A8Matmul:
+    return kernel_build(NativeInt4A8Matmul, request.param)
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)

@@ -1,6 +1,7 @@
 """The C int4 matmul (model/native/int4_matmul.c) against the same weights dequantised and
-multiplied in fp32 by `F.linear`, in both of its builds (AVX-512 BF16 where the CPU has
-it, the portable loop everywhere); and the per-shape choice between it and PyTorch's."""
+multiplied in fp32 by `F.linear`, built for every instruction level the machine executes
+(the AVX-512 BF16 loop where the level has it, the portable loop at the others); and the
+per-shape choice between it and PyTorch's."""
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import model.int4_kernel as int4_kernel
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt4Matmul
 from model.quantized_linear import INT4_GROUP, Int4Linear
-from tests.native_builds import kernel_build
+from tests.native_builds import ISAS, kernel_build
 
 SHAPES = [(576, 960), (1536, 576), (64, 32), (64, 48)]  # (in, out); 48: an odd count of tiles
 ROWS = [1, 7, 8, 9, 33]  # around the blocks of 8 rows; from 16, blocks of two tiles
@@ -35,9 +36,9 @@ def relative_error(y: torch.Tensor, reference: torch.Tensor) -> float:
     return ((y.float() - reference).norm() / reference.norm()).item()
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
-def kernel(request, tmp_path_factory) -> NativeInt4Matmul:
-    return kernel_build(NativeInt4Matmul, "int4_matmul.c", request.param, tmp_path_factory)
+@pytest.fixture(scope="module", params=ISAS)
+def kernel(request) -> NativeInt4Matmul:
+    return kernel_build(NativeInt4Matmul, request.param)
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), SHAPES)

@@ -1,5 +1,5 @@
 """The grouped-int8 output projection (model/native/int8_matmul.c, Int8GroupLinear): its
-kernel against `F.linear` on the same weights in fp32, in both builds; GGUF Q8_0 groups
+kernel against `F.linear` on the same weights in fp32, at every instruction level; GGUF Q8_0 groups
 held exactly; a tied model's embedding read from it; and when the loader takes it."""
 
 import os
@@ -23,7 +23,7 @@ from model.weights.default_model import default_model_path
 from model.weights.gguf import output_exact_in_int8
 from model.weights.gguf_file import open_gguf
 from model.weights.safetensors import iter_safetensors, safetensors_files
-from tests.native_builds import kernel_build
+from tests.native_builds import ISAS, kernel_build
 from tests.tiny_models import make_tiny_llama
 
 if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
@@ -43,9 +43,9 @@ def q8_0_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Ten
     return (q.float() * d.float()).reshape(out_features, in_features)
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
-def kernel(request, tmp_path_factory) -> NativeInt8Matmul:
-    return kernel_build(NativeInt8Matmul, "int8_matmul.c", request.param, tmp_path_factory)
+@pytest.fixture(scope="module", params=ISAS)
+def kernel(request) -> NativeInt8Matmul:
+    return kernel_build(NativeInt8Matmul, request.param)
 
 
 @pytest.mark.parametrize(("in_features", "out_features"), [(576, 4096), (64, 48)])

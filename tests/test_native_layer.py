@@ -1,7 +1,8 @@
 """The decoder layer in two C calls (model/native/decoder_layer.c) against the PyTorch
 layer on the same bf16 + int4 weights, on each C int4 kernel: the same rounding points, so
 the outputs agree to a few bf16 units in the last place; a sequence's logits bit for bit
-the same alone and in a batch; and it is used exactly where every part of the layer fits."""
+the same alone and in a batch; and it is used exactly where every part of the layer fits.
+At every instruction level the machine executes."""
 
 import os
 import shutil
@@ -13,18 +14,25 @@ import torch
 import model.quantized_linear as quantized_linear
 from model.batch import Batch
 from model.loader import load_model
+from model.native.build import ISA_ENV
 from model.paged_cache import PagedKVCache
+from tests.native_builds import ISAS, library_at
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 
 if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
     pytest.skip("no C compiler to build the kernels", allow_module_level=True)
 
 
-@pytest.fixture(params=["native", "native_a8"])
+@pytest.fixture(
+    params=[(kernel, isa) for kernel in ("native", "native_a8") for isa in ISAS], ids="-".join
+)
 def tiny_dir(request, tmp_path, monkeypatch):
     # A C int4 kernel whatever this machine's timing says: it is what is under test, with
-    # bf16 and with int8 activations.
-    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: request.param)
+    # bf16 and with int8 activations, built for each instruction level.
+    kernel, isa = request.param
+    library_at(isa)
+    monkeypatch.setenv(ISA_ENV, isa)
+    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: kernel)
     make_tiny_llama(tmp_path, heads="gqa")
     write_tiny_tokenizer(tmp_path)
     return tmp_path

@@ -1,7 +1,8 @@
 """The C RMSNorm (model/native/rms_norm.c) against the model's PyTorch RMSNorm: fp32 to
 rounding, bf16 within one unit in the last place, a row's result bit for bit the same
-alone and in a batch (also past the row count where rows are shared among threads); and
-the loader uses it exactly when the CPU's C attention is in use."""
+alone and in a batch (also past the row count where rows are shared among threads), at
+every instruction level the machine executes; and the loader uses it exactly when the
+CPU's C attention is in use."""
 
 import os
 import shutil
@@ -12,6 +13,7 @@ import torch
 from model.llama import RMSNorm
 from model.loader import load_model
 from model.native.ops import NativeRmsNorm
+from tests.native_builds import ISAS
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 
 if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
@@ -28,9 +30,10 @@ def _norms(width: int, dtype: torch.dtype) -> tuple[RMSNorm, RMSNorm]:
     return reference, native
 
 
+@pytest.mark.parametrize("cpu_isa", ISAS, indirect=True)
 @pytest.mark.parametrize("rows", [1, 37, 100])
 @pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-6), (torch.bfloat16, 2**-7)])
-def test_matches_pytorch(rows: int, dtype: torch.dtype, tol: float) -> None:
+def test_matches_pytorch(rows: int, dtype: torch.dtype, tol: float, cpu_isa: str) -> None:
     reference, native = _norms(576, dtype)
     x = (torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)) * 3).to(dtype)
     with torch.inference_mode():
@@ -39,7 +42,8 @@ def test_matches_pytorch(rows: int, dtype: torch.dtype, tol: float) -> None:
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
 
 
-def test_a_row_alone_equals_it_in_a_batch() -> None:
+@pytest.mark.parametrize("cpu_isa", ISAS, indirect=True)
+def test_a_row_alone_equals_it_in_a_batch(cpu_isa: str) -> None:
     _, native = _norms(64, torch.bfloat16)
     x = torch.randn(100, 64).bfloat16()  # past the threaded row count
     with torch.inference_mode():

@@ -7,13 +7,16 @@ of 400 tokens it was half the step). The C kernel (model/native/paged_decode.c) 
 sequence's block table once, in fp32; on a 2-core AVX-512 machine it reads K/V at close
 to memory bandwidth, and decode steps of 16 sequences of 550 tokens went from 184 to 76 ms.
 
-Prefill chunks in bf16, where the kernel has its vectorised path (AVX-512, head_dim 64 or
-128), run on it too, each query as a row of its own that sees its position + 1 tokens:
-SDPA with the causal mask as a tensor computed every masked product as well, 140 ms of a
-512-token prefill's ~360 ms on the default model. Each query's result is then also the
-same however its prompt was chunked. Other prefills keep the reference's SDPA. A
-sequence's result does not depend on the rest of its batch (the kernel handles each query
-alone), so batch invariance holds as with the reference.
+Prefill chunks in bf16 run on it too, each query as a row of its own that sees its
+position + 1 tokens, so a query's result is the same bits as a decode's and the same
+however its prompt was chunked or recomputed after preemption: SDPA would round a chunk
+differently from the decode loop, and greedy tokens then changed with chunking on every
+CPU without the kernel's AVX-512 path. On that path it is also faster (SDPA with the
+causal mask as a tensor computed every masked product as well, 140 ms of a 512-token
+prefill's ~360 ms on the default model); the generic loops an AVX2 build takes cost about
+twice SDPA's time per layer at 512 tokens, the price of that invariance. fp32 prefills
+keep the reference's SDPA. A sequence's result does not depend on the rest of its batch
+(the kernel handles each query alone), so batch invariance holds as with the reference.
 """
 
 from __future__ import annotations
@@ -59,9 +62,6 @@ class CpuPagedBackend(TorchRefBackend):
             kernel.argtypes = [*_ARGTYPES, ctypes.c_float]
             kernel.restype = ctypes.c_int
             self.kernels[dtype] = kernel
-        vectorised = library.paged_decode_vectorised
-        vectorised.argtypes, vectorised.restype = [_I64], ctypes.c_int
-        self._vectorised = vectorised
 
     def plan(self, batch: Batch) -> CpuPagedPlan:
         groups = super().plan(batch).groups
@@ -101,7 +101,6 @@ class CpuPagedBackend(TorchRefBackend):
             isinstance(plan, CpuPagedPlan)
             and plan.prefill_lens is not None
             and queries.dtype == torch.bfloat16
-            and self._vectorised(head_dim)
         ):
             # Each query of a prefill chunk as a decode of its own: the C kernel reads K
             # and V in place and skips what the causal mask would hide, where SDPA with a

@@ -6,6 +6,13 @@ C rather than a PyTorch extension: plain C with no PyTorch headers compiles in a
 second with the system's compiler, so the library is simply built where it runs, with
 `-march=native`, and cached by source, compiler flags and CPU. A machine without a C
 compiler gets `NativeUnavailable` saying so, and the caller falls back to plain PyTorch.
+
+`LLAMASERVE_CPU_ISA` builds for a lower instruction level than the machine's: `avx512`
+(x86-64-v4: AVX-512 without its BF16 and VNNI extensions), `avx2` (x86-64-v3, the
+AVX2-only EPYCs) or `portable` (baseline x86-64). The kernels take other
+loops at each level, so the tests run them at every level the machine can execute
+(`executable_isas`), and a developer on an AVX-512 machine sees what an AVX2 one runs.
+It is read where the library is chosen, like `CC`: a build setting, not a serving one.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ SOURCES = (
     "decoder_layer.c",
     "argmax.c",
 )
-HEADERS = ("bf16.h", "tiles.h")
+HEADERS = ("bf16.h", "tiles.h", "paged_pairs_avx512.h", "paged_pairs_avx2.h")
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every
 # call. It is for compiling only: linked with it, gcc before 13 adds a constructor that
@@ -42,9 +49,21 @@ HEADERS = ("bf16.h", "tiles.h")
 # library needs `libgomp.so.1`, which the dynamic loader finds already loaded (PyTorch's
 # CPU wheels ship it under that name), so the kernel shares PyTorch's threads rather than
 # starting its own.
-COMPILE_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math")
+COMPILE_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-ffast-math")
 LINK_FLAGS = ("-shared", "-fopenmp")
 BUILD_TIMEOUT_S = 120
+
+ISA_ENV = "LLAMASERVE_CPU_ISA"
+# The instruction level of each build: `-march` for the compiler, and the CPU flags a
+# machine needs to execute it (x86-64-v3 is AVX2, FMA, F16C, BMI1/2, LZCNT and MOVBE).
+ISA_MARCH = {"native": "native", "avx512": "x86-64-v4", "avx2": "x86-64-v3", "portable": "x86-64"}
+_AVX2_FLAGS = frozenset({"avx2", "fma", "f16c", "bmi1", "bmi2", "abm", "movbe"})
+_ISA_CPU_FLAGS = {
+    "native": frozenset(),
+    "avx512": _AVX2_FLAGS | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"},
+    "avx2": _AVX2_FLAGS,
+    "portable": frozenset(),
+}
 
 
 class NativeUnavailable(RuntimeError):
@@ -56,27 +75,53 @@ def cache_dir() -> Path:
     return Path(base) / "llamaserve" / "native"
 
 
-@cache
+def executable_isas() -> tuple[str, ...]:
+    """The levels this machine can execute: its own, and on x86-64 the lower ones its
+    flags cover."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return ("native",)
+    flags = _cpu_flags()
+    return tuple(isa for isa, needs in _ISA_CPU_FLAGS.items() if needs <= flags)
+
+
+def isa() -> str:
+    """The level `load_library` builds for: LLAMASERVE_CPU_ISA, else the machine's own."""
+    level = os.environ.get(ISA_ENV) or "native"
+    if level not in ISA_MARCH:
+        raise NativeUnavailable(f"{ISA_ENV}={level!r}: choose one of {', '.join(ISA_MARCH)}")
+    if level not in executable_isas():
+        raise NativeUnavailable(f"{ISA_ENV}={level}: this CPU cannot execute that level")
+    return level
+
+
 def load_library() -> ctypes.CDLL:
-    """The built library, built first when this machine has none yet."""
+    """The library for the chosen level (`isa`), built first when this machine has none
+    yet."""
+    return library_for(isa())
+
+
+@cache
+def library_for(level: str) -> ctypes.CDLL:
+    """The library built for `level`, one of `executable_isas()`."""
     if platform.system() != "Linux":
         raise NativeUnavailable(f"native kernels are built on Linux only, not {platform.system()}")
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
+    compile_flags = (f"-march={ISA_MARCH[level]}", *COMPILE_FLAGS)
     text = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))
-    flags = " ".join((compiler, *COMPILE_FLAGS, *LINK_FLAGS)).encode()
+    flags = " ".join((compiler, *compile_flags, *LINK_FLAGS)).encode()
     key = hashlib.sha256(text + flags + _cpu_id()).hexdigest()
-    target = cache_dir() / f"kernels-{key[:16]}.so"
+    target = cache_dir() / f"kernels-{level}-{key[:16]}.so"
     if not target.exists():
-        _build(compiler, target)
+        _build(compiler, compile_flags, target)
     try:
         return ctypes.CDLL(str(target))
     except OSError as exc:
         raise NativeUnavailable(f"cannot load {target}: {exc}") from None
 
 
-def _build(compiler: str, target: Path) -> None:
+def _build(compiler: str, compile_flags: tuple[str, ...], target: Path) -> None:
     started = time.perf_counter()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -90,7 +135,7 @@ def _build(compiler: str, target: Path) -> None:
         ) from None
     objects = [f"{partial}.{Path(name).stem}.o" for name in SOURCES]
     steps = [
-        [compiler, *COMPILE_FLAGS, "-c", "-o", obj, str(HERE / name)]
+        [compiler, *compile_flags, "-c", "-o", obj, str(HERE / name)]
         for name, obj in zip(SOURCES, objects, strict=True)
     ]
     steps.append([compiler, *LINK_FLAGS, "-o", partial, *objects, "-lm"])
@@ -120,3 +165,10 @@ def _cpu_id() -> bytes:
         return platform.machine().encode()
     wanted = [line for line in lines if line.startswith(("model name", "flags"))][:2]
     return "\n".join(wanted).encode()
+
+
+def _cpu_flags() -> frozenset[str]:
+    for line in _cpu_id().decode().splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()

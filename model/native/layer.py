@@ -4,10 +4,10 @@ projection).
 
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
 casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
-the attention backend, between the two calls, so prefill chunks keep SDPA and the cache
-writes stay the backend's; except in a step of decodes only on the C attention, whose plan
-carries a `DecodeBatch`: there the whole layer, cache writes and attention included, is
-one call (another 50-80 µs of Python per layer at one stream).
+the attention backend, between the two calls, as do the cache writes; except in a step of
+decodes only on the C attention, whose plan carries a `DecodeBatch`: there the whole layer,
+cache writes and attention included, is one call (another 50-80 µs of Python per layer at
+one stream).
 """
 
 from __future__ import annotations
