@@ -8,13 +8,14 @@ from __future__ import annotations
 import argparse
 import os
 
+from mkdocs.config.defaults import MkDocsConfig
 from mkdocs.structure.files import File, Files
 
 CLI_PAGE = "reference/cli.md"
 METRICS_PAGE = "reference/metrics.md"
 
 
-def on_files(files: Files, config) -> Files:
+def on_files(files: Files, config: MkDocsConfig) -> Files:
     files.append(File.generated(config, CLI_PAGE, content=cli_page()))
     files.append(File.generated(config, METRICS_PAGE, content=metrics_page()))
     return files
