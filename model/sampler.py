@@ -21,9 +21,9 @@ import torch
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeArgmax
 
-# Below this a temperature is greedy: dividing by it can overflow float32 to inf, and the
-# softmax of a row holding inf is NaN.
-_GREEDY_TEMPERATURE = 1e-5
+# A row whose temperature is exactly this is greedy: SamplingParams (scheduler/request.py)
+# maps every temperature too small to divide by to it.
+_GREEDY_TEMPERATURE = 0.0
 
 
 def _flat_index(per_row: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, ...]:
@@ -38,7 +38,7 @@ def _flat_index(per_row: list[list[int]], device: torch.device | str) -> tuple[t
 
 @dataclass
 class SamplingMetadata:
-    temperature: torch.Tensor  # [B] float32; below _GREEDY_TEMPERATURE the row is greedy
+    temperature: torch.Tensor  # [B] float32; 0.0: the row is greedy
     top_k: torch.Tensor  # [B] int64; 0 means off
     top_p: torch.Tensor  # [B] float32; 1.0 means off
     min_p: torch.Tensor  # [B] float32; 0.0 means off
@@ -87,7 +87,7 @@ class SamplingMetadata:
         row is unconstrained."""
         num_rows = len(temperature)
         # Parameters on greedy rows change nothing, so only sampling rows switch work on.
-        sampling = [i for i, t in enumerate(temperature) if t >= _GREEDY_TEMPERATURE]
+        sampling = [i for i, t in enumerate(temperature) if t != _GREEDY_TEMPERATURE]
 
         def row_tensor(values: list[float]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.float32, device=device)
@@ -250,7 +250,7 @@ def _native_argmax() -> NativeArgmax | None:
 def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p and one exponential race per row; greedy rows ride
     along with temperature 1 and are replaced by their argmax at the end."""
-    greedy = meta.temperature < _GREEDY_TEMPERATURE
+    greedy = meta.temperature == _GREEDY_TEMPERATURE
     temperature = torch.where(greedy, 1.0, meta.temperature)
     scaled = logits / temperature[:, None]
     if meta.use_top_k or meta.use_top_p:

@@ -9,11 +9,17 @@ from __future__ import annotations
 
 import enum
 import time
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from scheduler.structured_output import Grammar
+
+
+# Below this a temperature is greedy (and becomes 0.0): dividing logits by it can overflow
+# float32 to inf, and the softmax of a row holding inf is NaN. The sampler then takes
+# exactly 0.0 as greedy, and a seed on a greedy request gets no generator.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class InvalidParams(ValueError):
@@ -46,8 +52,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # Compiled before admission (server/grammar.py); every sampled token must obey it.
     grammar: Grammar | None = None
+    # The model's vocabulary, where the caller knows it: a top_k at or past it is off.
+    vocab_size: InitVar[int | None] = None
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, vocab_size: int | None) -> None:
         def check(ok: bool, param: str, message: str) -> None:
             if not ok:
                 raise InvalidParams(param, message)
@@ -109,7 +117,12 @@ class SamplingParams:
                     "logit_bias",
                     f"logit_bias for token {token} must be in [-100, 100], got {bias}",
                 )
-        if self.top_k == -1:
+        # One rule for the layers below: greedy is temperature 0.0, top_k off is 0 (a top_k
+        # past the vocabulary keeps every token, and numbers no tensor holds, say 10**30,
+        # stay out of the sampler).
+        if self.temperature < GREEDY_TEMPERATURE:
+            self.temperature = 0.0
+        if self.top_k == -1 or (vocab_size is not None and self.top_k >= vocab_size):
             self.top_k = 0
 
     @property

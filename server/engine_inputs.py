@@ -61,17 +61,24 @@ def sampling_params(
     stop_ids = list(req.stop_token_ids or [])
     check_token_ids(stop_ids, state, "stop_token_ids")
     try:
+        # Fields the client left out take SamplingParams' defaults; it also normalises
+        # greedy temperatures and top_k against the vocabulary, for every caller alike.
+        optional = {
+            name: getattr(req, name)
+            for name in (
+                "temperature",
+                "top_p",
+                "top_k",
+                "min_p",
+                "presence_penalty",
+                "frequency_penalty",
+                "repetition_penalty",
+            )
+            if getattr(req, name) is not None
+        }
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if req.temperature is None else req.temperature,
-            top_p=1.0 if req.top_p is None else req.top_p,
-            # A top_k past the vocabulary keeps every token, which is what 0 means; mapping it
-            # keeps numbers no tensor can hold (a client may send 10**30) out of the sampler.
-            top_k=0 if req.top_k is None or req.top_k >= state.vocab_size else req.top_k,
-            min_p=req.min_p or 0.0,
-            presence_penalty=req.presence_penalty or 0.0,
-            frequency_penalty=req.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            **optional,
             logit_bias=logit_bias,
             seed=req.seed,
             stop=stop,
@@ -83,6 +90,7 @@ def sampling_params(
             n=req.n,
             skip_special_tokens=req.skip_special_tokens,
             grammar=grammar,
+            vocab_size=state.vocab_size,
         )
     except InvalidParams as exc:
         raise APIError(400, str(exc), exc.param) from None
