@@ -59,8 +59,9 @@ def read_api_keys(path: str) -> list[str]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from server.launch import ServeConfig, build_server, uvicorn_server, watch_ranks
-    from server.tensor_parallel import ParallelConfig, run_worker_node
+    from server.config import ParallelConfig, ServeConfig
+    from server.launch import build_server, uvicorn_server, watch_ranks
+    from server.tensor_parallel import run_worker_node
 
     api_keys = list(args.api_key)
     if args.api_key_file is not None:

@@ -12,7 +12,8 @@ import sys
 
 from model.greedy import greedy_tokens
 from model.text.detokenizer import IncrementalDetokenizer
-from server.launch import ServeConfig, load
+from server.config import ServeConfig
+from server.launch import load
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -12,9 +12,7 @@ import signal
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field
 
-import torch
 import uvicorn
 from fastapi import FastAPI
 
@@ -22,48 +20,15 @@ from model.errors import UnsupportedModelError
 from model.loader import LoadedModel, load_model, load_random_model, resolve_device
 from model.parallel.plan import TensorParallel
 from scheduler.async_engine import AsyncEngine
-from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from server.api import build_app
+from server.config import ServeConfig
 from server.connections import bounded_http_protocol
 from server.metrics import ServerMetrics
 from server.state import ServerState
-from server.tensor_parallel import ParallelConfig, start_rank0
+from server.tensor_parallel import start_rank0
 
 logger = logging.getLogger("llamaserve.server")
-
-
-@dataclass
-class ServeConfig:
-    model: str | None = None
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: list[str] = field(default_factory=list)
-    api_keys: list[str] = field(default_factory=list)
-    metrics_require_api_key: bool = False
-    device: str = "cpu"  # or "cuda", "cuda:N", "auto" (cuda when a GPU is visible)
-    attention_backend: str = "auto"  # model/attention: by device
-    # A dtype, or a name ("auto" times this machine); the CLI defaults to "auto", code that
-    # builds a config to the exact float32 the transformers comparisons hold to.
-    dtype: torch.dtype | str = torch.float32
-    quantization: str | None = None  # "int8", "int4", "w4a8", "auto"; None: in dtype
-    batch_invariant: bool = False  # only formats whose greedy output is batch-independent
-    engine: EngineConfig = field(default_factory=EngineConfig)
-    allowed_origins: list[str] = field(default_factory=list)
-    max_request_bytes: int = 8 * 2**20
-    shutdown_grace_s: float = 10.0
-    # What one connection may cost (server/connections.py): an idle keep-alive connection
-    # is closed after timeout_keep_alive_s, one that has not sent a whole request head
-    # after header_timeout_s; beyond limit_concurrency open connections or requests in
-    # flight new requests get 503; backlog is the kernel's queue of unaccepted ones.
-    timeout_keep_alive_s: int = 5
-    header_timeout_s: float = 10.0
-    limit_concurrency: int | None = 2048
-    backlog: int = 2048
-    random_weights: bool = False  # with model_config: a preset's shapes, random weights
-    model_config: str | None = None
-    tokenizer: str | None = None
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # -tp and its peers
 
 
 def load(config: ServeConfig, tp: TensorParallel | None = None) -> LoadedModel:

@@ -1,8 +1,8 @@
 """Starting and watching the ranks of a tensor-parallel server (`-tp N`).
 
 Rank 0 is this process: it serves HTTP, schedules and samples. The other ranks of this
-machine are child processes (`model/parallel/worker.py`); with `--nnodes`, machine k runs
-ranks [k * N / nnodes, (k + 1) * N / nnodes) and only rank 0's machine serves. Under
+machine are child processes (`scheduler/runner/rank_process.py`); with `--nnodes`, machine
+k runs ranks [k * N / nnodes, (k + 1) * N / nnodes) and only rank 0's machine serves. Under
 torchrun (RANK and WORLD_SIZE in the environment) every rank is its own process already.
 
 A watchdog turns a lost worker into a stopped engine (/health 503, every in-flight
@@ -20,8 +20,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,62 +27,11 @@ from model.loader import checkpoint_config, resolve_device
 from model.parallel.distributed import DistributedSpec, close_distributed, init_distributed
 from model.parallel.plan import TensorParallel
 from model.parallel.steps import StepSender
-from model.parallel.worker import WorkerSpec, serve_steps
 from model.presets import preset_config
-from server.flags import UsageError
-
-if TYPE_CHECKING:
-    from server.launch import ServeConfig
+from scheduler.runner.rank_process import WorkerSpec, serve_steps
+from server.config import DEFAULT_MASTER_PORT, ParallelConfig, ServeConfig
 
 logger = logging.getLogger("llamaserve.server")
-
-DEFAULT_MASTER_PORT = 29500
-
-
-@dataclass
-class ParallelConfig:
-    tensor_parallel_size: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int | None = None  # None: a free port on one machine, 29500 on several
-    timeout_s: float = 60.0
-
-    def resolved(self) -> ParallelConfig:
-        """Under torchrun its environment names the ranks; flags must agree with it."""
-        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-            self.check()
-            return self
-        world = int(os.environ["WORLD_SIZE"])
-        if self.tensor_parallel_size not in (1, world):
-            raise UsageError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} disagrees with "
-                f"torchrun's WORLD_SIZE {world}"
-            )
-        return ParallelConfig(
-            tensor_parallel_size=world,
-            nnodes=world,  # one rank per process: each "node" is one process
-            node_rank=int(os.environ["RANK"]),
-            master_addr=os.environ.get("MASTER_ADDR", self.master_addr),
-            master_port=int(os.environ.get("MASTER_PORT", DEFAULT_MASTER_PORT)),
-            timeout_s=self.timeout_s,
-        )
-
-    def check(self) -> None:
-        n, nodes = self.tensor_parallel_size, self.nnodes
-        if n < 1:
-            raise UsageError(f"--tensor-parallel-size must be at least 1, got {n}")
-        if nodes < 1 or n % nodes:
-            raise UsageError(f"--nnodes {nodes} does not divide --tensor-parallel-size {n}")
-        if not 0 <= self.node_rank < nodes:
-            raise UsageError(f"--node-rank {self.node_rank} is not in 0..{nodes - 1}")
-        if nodes > 1 and self.master_port is None:
-            self.master_port = DEFAULT_MASTER_PORT
-
-    @property
-    def local_ranks(self) -> range:
-        per_node = self.tensor_parallel_size // self.nnodes
-        return range(self.node_rank * per_node, (self.node_rank + 1) * per_node)
 
 
 def rank_device(device: str, rank: int, per_node: int) -> str:
@@ -170,10 +117,11 @@ def _worker_spec(config: ServeConfig, parallel: ParallelConfig, rank: int) -> Wo
 
 
 def _spawn(specs: list[WorkerSpec]) -> dict[int, subprocess.Popen]:
-    """Each rank a process of its own, which dies with this one (model/parallel/worker.py)."""
+    """Each rank a process of its own, which dies with this one
+    (scheduler/runner/rank_process.py)."""
     return {
         spec.distributed.rank: subprocess.Popen(
-            [sys.executable, "-m", "model.parallel.worker", spec.to_json()]
+            [sys.executable, "-m", "scheduler.runner.rank_process", spec.to_json()]
         )
         for spec in specs
     }

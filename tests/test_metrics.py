@@ -12,7 +12,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.stats import FinishedStats, StepStats
-from server.launch import ServeConfig, build_server
+from server.config import ServeConfig
+from server.launch import build_server
 from server.metrics import LATENCY_BUCKETS_S, ServerMetrics, token_buckets
 from tests.live_server import LiveServer, engine_config, running_server
 

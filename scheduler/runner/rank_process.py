@@ -1,5 +1,7 @@
-"""A tensor-parallel worker (every rank but 0): loads its shard, then runs whatever forward
-rank 0 broadcasts, until told to stop or its peers are gone. It never sees a request.
+"""The process of a tensor-parallel rank other than 0: loads its shard, then runs whatever
+forward rank 0 broadcasts, until told to stop or its peers are gone. It never sees a
+request. A process main loop, so it lives on the runner's side; the model keeps the
+sharded layers and the communication calls (model/parallel/).
 
 Started by the server (`llamaserve serve -tp N` spawns the local ranks), or one per process
 under torchrun."""
@@ -105,7 +107,7 @@ def serve_steps(spec: WorkerSpec) -> int:
 
 
 def main() -> None:
-    """`python -m model.parallel.worker SPEC_JSON`, as the server starts its local ranks."""
+    """`python -m scheduler.runner.rank_process SPEC_JSON`, as the server starts its local ranks."""
     worker_main(WorkerSpec.from_json(sys.argv[1]))
 
 
