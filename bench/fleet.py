@@ -26,7 +26,7 @@ ROUTER = ROOT / ".venv-router" / "bin" / "vllm-router"
 
 def replica_command(port: int, threads: int, serve_args: list[str]) -> list[str]:
     return [
-        sys.executable, "-m", "server.cli", "serve", "--port", str(port),
+        sys.executable, "-m", "server.startup.cli", "serve", "--port", str(port),
         "--threads", str(threads), *serve_args,
     ]  # fmt: skip
 

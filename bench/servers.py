@@ -84,7 +84,7 @@ def wait_healthy(base_url: str, process: subprocess.Popen, timeout_s: float = 30
 
 def llamaserve_command(model: Path, port: int, threads: int, extra: list[str]) -> list[str]:
     return [
-        sys.executable, "-m", "server.cli", "serve", str(model),
+        sys.executable, "-m", "server.startup.cli", "serve", str(model),
         "--port", str(port), "--threads", str(threads), *extra,
     ]  # fmt: skip
 

@@ -50,7 +50,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None  # the same for every prompt token after the first
     n: int = 1
     skip_special_tokens: bool = True
-    # Compiled before admission (server/grammar.py); every sampled token must obey it.
+    # Compiled before admission (server/structured/grammar.py); every sampled token must obey it.
     grammar: Grammar | None = None
     # The model's vocabulary, where the caller knows it: a top_k at or past it is off.
     vocab_size: InitVar[int | None] = None

@@ -11,14 +11,14 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
-from server.chat import create_chat_completion
-from server.chat_inputs import render_chat
-from server.completions import create_completion
-from server.engine_inputs import check_token_ids
-from server.errors import APIError, install_error_handlers
-from server.metrics import CONTENT_TYPE, ServerMetrics
-from server.middleware import BodyLimit, RequestContext
-from server.protocol import (
+from server.edge.errors import APIError, install_error_handlers
+from server.edge.metrics import CONTENT_TYPE, ServerMetrics
+from server.edge.middleware import BodyLimit, RequestContext
+from server.routes.chat import create_chat_completion
+from server.routes.chat_inputs import render_chat
+from server.routes.completions import create_completion
+from server.routes.engine_inputs import check_token_ids
+from server.routes.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -26,9 +26,9 @@ from server.protocol import (
     ModelList,
     TokenizeRequest,
 )
-from server.responses import create_response
-from server.responses_protocol import ResponsesRequest
-from server.routing import add_routing_endpoints
+from server.routes.responses import create_response
+from server.routes.responses_protocol import ResponsesRequest
+from server.routes.routing import add_routing_endpoints
 from server.state import ServerState
 
 

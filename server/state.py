@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
 from scheduler.async_engine import AsyncEngine
-from server.grammar import GrammarCompiler
+from server.structured.grammar import GrammarCompiler
 
 
 @dataclass

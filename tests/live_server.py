@@ -18,8 +18,8 @@ import pytest
 
 from scheduler.config import EngineConfig
 from scheduler.engine import Engine
-from server.config import ServeConfig
-from server.launch import build_server, uvicorn_server
+from server.startup.config import ServeConfig
+from server.startup.launch import build_server, uvicorn_server
 from server.state import ServerState
 
 # 2048 tokens of KV cache on the default model (737,280 bytes per 16-token block): room for

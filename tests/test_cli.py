@@ -10,12 +10,12 @@ import pytest
 from gguf import GGMLQuantizationType, GGUFWriter
 
 from model.greedy import greedy_tokens
-from server.cli import read_api_keys
+from server.startup.cli import read_api_keys
 
 
 def run_cli(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "server.startup.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

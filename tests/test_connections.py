@@ -1,4 +1,4 @@
-"""The bounds server/connections.py puts on a connection, on a real server over plain
+"""The bounds server/edge/connections.py puts on a connection, on a real server over plain
 sockets: a request head not complete within the header timeout (a silent client, a
 slowloris one, a kept-alive one that starts a head and stalls) loses its connection, an
 idle keep-alive connection is closed, requests over --limit-concurrency get a 503 in
@@ -9,8 +9,8 @@ import time
 import httpx
 import pytest
 
-from server.cli import main
-from server.connections import BoundedH11Protocol
+from server.edge.connections import BoundedH11Protocol
+from server.startup.cli import main
 from tests.live_server import assert_error, running_server
 from tests.raw_http import HEALTH, PARTIAL_HEAD, connect, read_until_closed, trickle_until_closed
 
@@ -92,7 +92,7 @@ def test_concurrency_limit_is_503_in_openai_shape_until_idle_ones_time_out(stric
 
 
 def test_serve_flags_reach_uvicorn(monkeypatch):
-    import server.launch as launch
+    import server.startup.launch as launch
 
     built = []
     real_uvicorn_server = launch.uvicorn_server

@@ -51,7 +51,7 @@ def page_text(site: Path, page: str) -> str:
 
 def help_flags(*command: str) -> set[str]:
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", *command, "--help"],
+        [sys.executable, "-m", "server.startup.cli", *command, "--help"],
         cwd=ROOT,
         capture_output=True,
         text=True,

@@ -1,4 +1,4 @@
-"""server/grammar.py: constraints compile to grammars once (cached by kind and spec, one
+"""server/structured/grammar.py: constraints compile to grammars once (cached by kind and spec, one
 compilation shared by concurrent requests), a constraint llguidance cannot enforce is a
 GrammarError with a one-line reason, and a compilation past the time limit is refused
 without holding up other compilations."""
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from server.grammar import GrammarCompiler, GrammarError
+from server.structured.grammar import GrammarCompiler, GrammarError
 
 
 @pytest.fixture

@@ -1,8 +1,8 @@
-"""Tests for server/memory_size.py: sizes as operators write them, parsed exactly."""
+"""Tests for server/startup/memory_size.py: sizes as operators write them, parsed exactly."""
 
 import pytest
 
-from server.memory_size import parse_memory_size
+from server.startup.memory_size import parse_memory_size
 
 
 @pytest.mark.parametrize(

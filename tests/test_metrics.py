@@ -1,4 +1,4 @@
-"""server/metrics.py: what /metrics of a live server says, checked against independent
+"""server/edge/metrics.py: what /metrics of a live server says, checked against independent
 sources: prometheus_client's own parser for the format, the clients' usage for token
 counts, the scheduler's and the KV manager's own counters for preemptions and prefix
 hits, and the HTTP statuses the clients got for the error counters."""
@@ -12,9 +12,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from scheduler.stats import FinishedStats, StepStats
-from server.config import ServeConfig
-from server.launch import build_server
-from server.metrics import LATENCY_BUCKETS_S, ServerMetrics, token_buckets
+from server.edge.metrics import LATENCY_BUCKETS_S, ServerMetrics, token_buckets
+from server.startup.config import ServeConfig
+from server.startup.launch import build_server
 from tests.live_server import LiveServer, engine_config, running_server
 
 MODEL = "tiny-kv"

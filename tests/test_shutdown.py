@@ -28,7 +28,7 @@ def test_sigterm_finishes_in_flight_stream_and_exits_zero():
         [
             sys.executable,
             "-m",
-            "server.cli",
+            "server.startup.cli",
             "serve",
             "--port",
             str(port),

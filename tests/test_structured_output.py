@@ -16,7 +16,7 @@ from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import InvalidParams, SamplingParams
 from scheduler.structured_output import StructuredOutputManager
-from server.grammar import GrammarCompiler
+from server.structured.grammar import GrammarCompiler
 from tests.engine_driver import run_engine
 
 SCHEMA = {

@@ -46,8 +46,8 @@ def tiny(tmp_path_factory) -> Path:
 
 def serve_command(model: str | None, port: int, *flags: str) -> list[str]:
     model_args = [model] if model else []
-    return [sys.executable, "-m", "server.cli", "serve", *model_args, "--port", str(port)] + [
-        "--threads", "1", "--dtype", "float32", *flags,
+    return [sys.executable, "-m", "server.startup.cli", "serve", *model_args] + [
+        "--port", str(port), "--threads", "1", "--dtype", "float32", *flags,
     ]  # fmt: skip
 
 

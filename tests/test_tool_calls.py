@@ -1,4 +1,4 @@
-"""server/tool_calls.py: tool_choice checks, the grammar for required and named choices
+"""server/structured/tool_calls.py: tool_choice checks, the grammar for required and named choices
 (every sequence it allows parses as a call whose arguments validate), and parsing finished
 answers: complete calls to known tools only, exact argument text, plain text that merely
 contains braces or a stray tag stays content."""
@@ -10,9 +10,15 @@ import json
 import jsonschema
 import pytest
 
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest
-from server.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls, tool_grammar, tool_plan
+from server.edge.errors import APIError
+from server.routes.protocol import ChatCompletionRequest
+from server.structured.tool_calls import (
+    HERMES,
+    LLAMA3_JSON,
+    parse_tool_calls,
+    tool_grammar,
+    tool_plan,
+)
 
 WEATHER = {
     "type": "object",
@@ -63,7 +69,7 @@ def test_plans():
 
 @pytest.mark.parametrize("fmt", [HERMES, LLAMA3_JSON])
 def test_grammar_allows_only_valid_calls(tok, fmt):
-    from server.grammar import GrammarCompiler
+    from server.structured.grammar import GrammarCompiler
 
     compiler = GrammarCompiler(tok)
     plan = plan_for(fmt, tool_choice="required")

@@ -1,4 +1,4 @@
-"""server/tool_prompt.py: tools and tool-call history reach the prompt the way each kind
+"""server/structured/tool_prompt.py: tools and tool-call history reach the prompt the way each kind
 of template expects. A template that reads `tools` renders exactly what transformers'
 `apply_chat_template` renders from the same messages and tools; Meta's Llama 3 format
 gets Meta's JSON tool prompt and `ipython` results; any other template gets the
@@ -10,9 +10,9 @@ import json
 
 from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import Llama3ChatFormat
-from server.protocol import ChatMessage, Tool
-from server.tool_calls import HERMES, LLAMA3_JSON
-from server.tool_prompt import FALLBACK_TOOL_PROMPT, call_format, tool_messages
+from server.routes.protocol import ChatMessage, Tool
+from server.structured.tool_calls import HERMES, LLAMA3_JSON
+from server.structured.tool_prompt import FALLBACK_TOOL_PROMPT, call_format, tool_messages
 from tests.chat_templates import CHATML_TOOLS, LLAMA3_TOOLS
 
 TOOLS = [

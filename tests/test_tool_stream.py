@@ -1,4 +1,4 @@
-"""server/tool_stream.py: streamed tool calls against the whole-answer parser. However an
+"""server/structured/tool_stream.py: streamed tool calls against the whole-answer parser. However an
 answer is cut into pieces, the stream names each call once (id, type, name), its argument
 fragments concatenate to exactly the parsed arguments, content is never a partial tag, and
 text that is not a complete call to a known tool goes out as content."""
@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from server.protocol import ChatCompletionRequest
-from server.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls, tool_plan
-from server.tool_stream import ToolCallStream
+from server.routes.protocol import ChatCompletionRequest
+from server.structured.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls, tool_plan
+from server.structured.tool_stream import ToolCallStream
 
 TOOLS = [
     {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}},

@@ -22,7 +22,7 @@ def on_files(files: Files, config: MkDocsConfig) -> Files:
 
 
 def cli_page() -> str:
-    from server.cli import build_parser
+    from server.startup.cli import build_parser
 
     # A default read from the environment (the API key) must not reach the page.
     saved = os.environ.pop("LLAMASERVE_API_KEY", None)
@@ -84,7 +84,7 @@ def _cell(text: str) -> str:
 
 
 def metrics_page() -> str:
-    from server.metrics import ServerMetrics
+    from server.edge.metrics import ServerMetrics
 
     metrics = ServerMetrics("MODEL", max_model_len=2048, max_num_batched_tokens=2048)
     lines = [

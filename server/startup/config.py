@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from scheduler.config import EngineConfig
-from server.flags import UsageError
+from server.startup.flags import UsageError
 
 DEFAULT_MASTER_PORT = 29500
 
@@ -82,7 +82,7 @@ class ServeConfig:
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 8 * 2**20
     shutdown_grace_s: float = 10.0
-    # What one connection may cost (server/connections.py): an idle keep-alive connection
+    # What one connection may cost (server/edge/connections.py): an idle keep-alive connection
     # is closed after timeout_keep_alive_s, one that has not sent a whole request head
     # after header_timeout_s; beyond limit_concurrency open connections or requests in
     # flight new requests get 503; backlog is the kernel's queue of unaccepted ones.

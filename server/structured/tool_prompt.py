@@ -21,8 +21,8 @@ from typing import Any
 
 from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import Llama3ChatFormat
-from server.protocol import ChatMessage, Tool
-from server.tool_calls import HERMES, LLAMA3_JSON, ToolCallFormat
+from server.routes.protocol import ChatMessage, Tool
+from server.structured.tool_calls import HERMES, LLAMA3_JSON, ToolCallFormat
 
 FALLBACK_TOOL_PROMPT = (
     "You may call one or more functions to assist with the user query. You are provided "

@@ -15,8 +15,8 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.params import Depends
 
-from server.completions import prompt_ids
-from server.protocol import CompletionPrompt, LenientModel
+from server.routes.completions import prompt_ids
+from server.routes.protocol import CompletionPrompt, LenientModel
 from server.state import ServerState
 
 

@@ -13,13 +13,13 @@ from typing import Any
 
 from model.text.chat_template import ChatTemplateError
 from scheduler.request import SamplingParams
-from server.engine_inputs import checked_max_tokens, sampling_params
-from server.errors import APIError
-from server.protocol import ChatCompletionRequest, ChatMessage, Tool
+from server.edge.errors import APIError
+from server.routes.engine_inputs import checked_max_tokens, sampling_params
+from server.routes.protocol import ChatCompletionRequest, ChatMessage, Tool
 from server.state import ServerState
-from server.structured import compile_constraint, request_grammar
-from server.tool_calls import ToolPlan, tool_grammar, tool_plan
-from server.tool_prompt import call_format, tool_messages
+from server.structured.output_constraint import compile_constraint, request_grammar
+from server.structured.tool_calls import ToolPlan, tool_grammar, tool_plan
+from server.structured.tool_prompt import call_format, tool_messages
 
 
 @dataclass

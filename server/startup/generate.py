@@ -12,8 +12,8 @@ import sys
 
 from model.greedy import greedy_tokens
 from model.text.detokenizer import IncrementalDetokenizer
-from server.config import ServeConfig
-from server.launch import load
+from server.startup.config import ServeConfig
+from server.startup.launch import load
 
 
 def generate(args: argparse.Namespace) -> int:

@@ -14,8 +14,8 @@ from typing import Any
 
 from pydantic import Field, ValidationError
 
-from server.errors import APIError
-from server.protocol import (
+from server.edge.errors import APIError
+from server.routes.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     FunctionCall,

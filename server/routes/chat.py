@@ -1,7 +1,7 @@
 """`POST /v1/chat/completions`: messages rendered with the model's chat template, then
 generated like a completion; streamed as role, content deltas (or tool-call deltas),
 finish, usage, [DONE]. Tool calls in the answer become `tool_calls` with
-`finish_reason: "tool_calls"` (server/tool_calls.py, server/tool_stream.py).
+`finish_reason: "tool_calls"` (server/structured/tool_calls.py, server/structured/tool_stream.py).
 
 It never touches the engine's state: it admits, reads its request's outputs and
 renders them.
@@ -17,15 +17,15 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from scheduler.request import TokenLogprob
-from server.chat_inputs import chat_inputs
-from server.completions import SSE_HEADERS
-from server.errors import APIError, error_body
-from server.protocol import ChatCompletionRequest
+from server.edge.errors import APIError, error_body
+from server.routes.chat_inputs import chat_inputs
+from server.routes.completions import SSE_HEADERS
+from server.routes.protocol import ChatCompletionRequest
+from server.routes.streaming import admit, merge, sse, unless_disconnected
+from server.routes.usage import usage
 from server.state import ServerState
-from server.streaming import admit, merge, sse, unless_disconnected
-from server.tool_calls import ToolPlan, parse_tool_calls
-from server.tool_stream import ToolCallStream
-from server.usage import usage
+from server.structured.tool_calls import ToolPlan, parse_tool_calls
+from server.structured.tool_stream import ToolCallStream
 
 
 def chat_logprobs(entries: list[TokenLogprob], state: ServerState) -> list[dict[str, Any]]:

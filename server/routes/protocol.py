@@ -37,7 +37,8 @@ class JsonSchemaFormat(LenientModel):
 
 
 class ResponseFormat(LenientModel):
-    # Any string: an unsupported type is a 400 naming response_format (server/structured.py).
+    # Any string: an unsupported type is a 400 naming response_format
+    # (server/structured/output_constraint.py).
     type: str
     json_schema: JsonSchemaFormat | None = None
 
@@ -131,7 +132,8 @@ class FunctionDefinition(LenientModel):
 
 
 class Tool(LenientModel):
-    # Any string: a type other than "function" is a 400 naming tools (server/tool_calls.py).
+    # Any string: a type other than "function" is a 400 naming tools
+    # (server/structured/tool_calls.py).
     type: str
     function: FunctionDefinition
 

@@ -18,9 +18,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from server.errors import APIError
-from server.grammar import JSON_OPTIONS
-from server.protocol import ChatCompletionRequest, Tool
+from server.edge.errors import APIError
+from server.routes.protocol import ChatCompletionRequest, Tool
+from server.structured.grammar import JSON_OPTIONS
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from scheduler.request import InvalidParams, SamplingParams, resolve_max_tokens
 from scheduler.structured_output import Grammar
-from server.errors import APIError
-from server.protocol import MAX_STOP_STRINGS, SamplingFields
+from server.edge.errors import APIError
+from server.routes.protocol import MAX_STOP_STRINGS, SamplingFields
 from server.state import ServerState
 
 

@@ -15,7 +15,7 @@ from model.attention import BACKENDS
 from model.quantized_linear import QUANTIZATIONS
 from model.weight_format import DTYPES
 from scheduler.config import EngineConfig
-from server.memory_size import parse_memory_size
+from server.startup.memory_size import parse_memory_size
 
 
 class UsageError(ValueError):

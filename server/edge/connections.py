@@ -27,8 +27,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.h11_impl import H11Protocol
 from uvicorn.server import ServerState
 
-from server.errors import error_body
-from server.streaming import RETRY_AFTER_S
+from server.edge.errors import error_body
+from server.routes.streaming import RETRY_AFTER_S
 
 logger = logging.getLogger("llamaserve.server")
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import error_body
+from server.edge.errors import error_body
 
 access_log = logging.getLogger("llamaserve.access")
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from scheduler.config import EngineConfig
-from server.flags import UsageError, add_model_flags, add_parallel_flags, add_serve_flags
+from server.startup.flags import UsageError, add_model_flags, add_parallel_flags, add_serve_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,9 +59,9 @@ def read_api_keys(path: str) -> list[str]:
 
 
 def serve(args: argparse.Namespace) -> int:
-    from server.config import ParallelConfig, ServeConfig
-    from server.launch import build_server, uvicorn_server, watch_ranks
-    from server.tensor_parallel import run_worker_node
+    from server.startup.config import ParallelConfig, ServeConfig
+    from server.startup.launch import build_server, uvicorn_server, watch_ranks
+    from server.startup.tensor_parallel import run_worker_node
 
     api_keys = list(args.api_key)
     if args.api_key_file is not None:
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "generate":
-            from server.generate import generate
+            from server.startup.generate import generate
 
             return generate(args)
         if args.command == "serve":

@@ -29,7 +29,7 @@ from model.parallel.plan import TensorParallel
 from model.parallel.steps import StepSender
 from model.presets import preset_config
 from scheduler.runner.rank_process import WorkerSpec, serve_steps
-from server.config import DEFAULT_MASTER_PORT, ParallelConfig, ServeConfig
+from server.startup.config import DEFAULT_MASTER_PORT, ParallelConfig, ServeConfig
 
 logger = logging.getLogger("llamaserve.server")
 

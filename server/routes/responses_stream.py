@@ -4,7 +4,7 @@ response.in_progress; then for each output item `response.output_item.added`, it
 for a call), their `.done` events and `response.output_item.done`; last
 response.completed, or response.incomplete when max_output_tokens cut the answer.
 
-Items come from the same tool-call stream as chat (server/tool_stream.py), so a call's
+Items come from the same tool-call stream as chat (server/structured/tool_stream.py), so a call's
 argument deltas concatenate to exactly the arguments of the whole answer.
 """
 
@@ -17,10 +17,10 @@ from typing import Any
 from fastapi import Request
 
 from scheduler.async_engine import RequestStream
-from server.chat_inputs import ChatInputs
-from server.responses_items import call_item, finish, message_item, usage
-from server.streaming import merge
-from server.tool_stream import ToolCallStream
+from server.routes.chat_inputs import ChatInputs
+from server.routes.responses_items import call_item, finish, message_item, usage
+from server.routes.streaming import merge
+from server.structured.tool_stream import ToolCallStream
 
 
 class _Events:

@@ -15,13 +15,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from scheduler.request import RequestOutput, TokenLogprob
-from server.engine_inputs import check_token_ids, checked_max_tokens, sampling_params
-from server.errors import APIError, error_body
-from server.protocol import CompletionPrompt, CompletionRequest
+from server.edge.errors import APIError, error_body
+from server.routes.engine_inputs import check_token_ids, checked_max_tokens, sampling_params
+from server.routes.protocol import CompletionPrompt, CompletionRequest
+from server.routes.streaming import admit, merge, sse, unless_disconnected
+from server.routes.usage import usage
 from server.state import ServerState
-from server.streaming import admit, merge, sse, unless_disconnected
-from server.structured import request_grammar
-from server.usage import usage
+from server.structured.output_constraint import request_grammar
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 

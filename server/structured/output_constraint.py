@@ -14,10 +14,10 @@ import time
 from typing import Any
 
 from scheduler.structured_output import Grammar
-from server.errors import APIError
-from server.grammar import GrammarError
-from server.protocol import ResponseFormat, StructuredOutputs
+from server.edge.errors import APIError
+from server.routes.protocol import ResponseFormat, StructuredOutputs
 from server.state import ServerState
+from server.structured.grammar import GrammarError
 
 logger = logging.getLogger("llamaserve.server")
 ANY_JSON_OBJECT = '{"type": "object"}'

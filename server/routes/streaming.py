@@ -18,7 +18,7 @@ from fastapi import Request
 from scheduler.async_engine import EngineDead, RequestStream
 from scheduler.request import InvalidParams, RequestOutput, SamplingParams
 from scheduler.scheduler import QueueFull
-from server.errors import APIError
+from server.edge.errors import APIError
 from server.state import ServerState
 
 T = TypeVar("T")

@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from server.tool_calls import ParsedCall, ToolPlan, new_call_id, parse_tool_calls
+from server.structured.tool_calls import ParsedCall, ToolPlan, new_call_id, parse_tool_calls
 
 
 @dataclass

@@ -22,11 +22,11 @@ from model.parallel.plan import TensorParallel
 from scheduler.async_engine import AsyncEngine
 from scheduler.engine_factory import create_engine
 from server.api import build_app
-from server.config import ServeConfig
-from server.connections import bounded_http_protocol
-from server.metrics import ServerMetrics
+from server.edge.connections import bounded_http_protocol
+from server.edge.metrics import ServerMetrics
+from server.startup.config import ServeConfig
+from server.startup.tensor_parallel import start_rank0
 from server.state import ServerState
-from server.tensor_parallel import start_rank0
 
 logger = logging.getLogger("llamaserve.server")
 
@@ -63,7 +63,7 @@ def build_server(
     config: ServeConfig, loaded: LoadedModel | None = None
 ) -> tuple[FastAPI, ServerState]:
     """With -tp N, this process becomes rank 0: it starts its machine's other ranks first
-    (server/tensor_parallel.py), and its model broadcasts every step to them."""
+    (server/startup/tensor_parallel.py), and its model broadcasts every step to them."""
     parallel = config.parallel.resolved()
     group = None
     if parallel.tensor_parallel_size > 1:

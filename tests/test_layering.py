@@ -1,0 +1,81 @@
+"""The import picture, read from the source with `ast` (every import: top-level, inside
+functions, type-only): dependencies run server -> scheduler -> model and never back; no
+module in model/ is a process entry point or imports one; server/ has no import circle."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("model", "scheduler", "server")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {
+    module_name(path): path for package in PACKAGES for path in (ROOT / package).rglob("*.py")
+}
+
+
+def imports(name: str) -> set[str]:
+    """The project modules `name` imports; `from package import module` counts the module."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return {target for target in found if target in MODULES and target != name}
+
+
+GRAPH = {name: imports(name) for name in MODULES}
+
+
+def layer(name: str) -> str:
+    return name.split(".")[0]
+
+
+def test_the_graph_is_read() -> None:
+    assert "server.startup.launch" in GRAPH["server.startup.cli"]
+    assert "model.loader" in GRAPH["scheduler.runner.rank_process"]
+
+
+def test_dependencies_run_one_way() -> None:
+    allowed = {"model": {"model"}, "scheduler": {"scheduler", "model"}, "server": set(PACKAGES)}
+    wrong = [
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        for target in targets
+        if layer(target) not in allowed[layer(name)]
+    ]
+    assert not wrong
+
+
+def test_no_process_entry_point_in_model() -> None:
+    entry_points = {
+        name for name, path in MODULES.items() if "__name__ == " in path.read_text()
+    }
+    assert "scheduler.runner.rank_process" in entry_points
+    model = {name for name in MODULES if layer(name) == "model"}
+    assert not model & entry_points
+    assert not [f"{name} -> {t}" for name in model for t in GRAPH[name] if t in entry_points]
+
+
+def test_no_import_circle_in_server() -> None:
+    server = {name for name in MODULES if layer(name) == "server"}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            raise AssertionError(" -> ".join(path[path.index(name) :] + [name]))
+        if name in done:
+            return
+        for target in sorted(GRAPH[name] & server):
+            visit(target, [*path, name])
+        done.add(name)
+
+    for name in sorted(server):
+        visit(name, [])
