@@ -55,9 +55,7 @@ def test_dependencies_run_one_way() -> None:
 
 
 def test_no_process_entry_point_in_model() -> None:
-    entry_points = {
-        name for name, path in MODULES.items() if "__name__ == " in path.read_text()
-    }
+    entry_points = {name for name, path in MODULES.items() if "__name__ == " in path.read_text()}
     assert "scheduler.runner.rank_process" in entry_points
     model = {name for name in MODULES if layer(name) == "model"}
     assert not model & entry_points
