@@ -42,6 +42,21 @@ def test_the_real_measurement_gives_a_positive_speed(ours_default) -> None:
     assert runner.kv_cache.k.abs().sum() > 0  # it ran the model into the cache
 
 
+@pytest.mark.parametrize("max_model_len", [20, 160])
+def test_the_measurement_stays_inside_a_short_context(tmp_path, max_model_len: int) -> None:
+    """The budget's prefill probe (256 tokens) never passes the context length, which is
+    all the RoPE table holds: any --max-model-len starts."""
+    from model.loader import load_model
+    from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
+
+    make_tiny_llama(tmp_path, heads="gqa")
+    write_tiny_tokenizer(tmp_path)
+    loaded = load_model(tmp_path, max_position=max_model_len, progress=False)
+    config = EngineConfig(max_model_len=max_model_len, block_size=8, kv_cache_memory=2**20)
+    engine = create_engine(loaded.model, loaded.tokenizer, config)
+    assert engine.scheduler.config.max_num_batched_tokens >= config.max_num_seqs
+
+
 def test_ids_past_the_tokenizer_are_never_sampled(tmp_path) -> None:
     """A checkpoint whose 512 rows outnumber its tokenizer's ~350 tokens (padded, as many
     are): sampled at temperature 2, every id stays decodable and no request fails."""

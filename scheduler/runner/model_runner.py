@@ -103,12 +103,16 @@ class ModelRunner:
 
     def prefill_ms_per_token(self, num_tokens: int = 256) -> float:
         """Times one prefill chunk of `num_tokens` (after a smaller warm-up) in the first
-        blocks of the cache, which no request holds yet at start-up."""
+        blocks of the cache, which no request holds yet at start-up. Never past the
+        context length: the RoPE table holds no later position (`--max-model-len 160`
+        had made start-up end in an IndexError)."""
+        num_tokens = min(num_tokens, self.max_model_len)
         num_blocks = min(-(-num_tokens // self.block_size), self.num_blocks)
         num_tokens = min(num_tokens, num_blocks * self.block_size)
         table = list(range(num_blocks))
         tokens = [i % self.vocab_size for i in range(num_tokens)]
-        warm_up = Batch.build([tokens[:32]], [0], [table[:2]], self.block_size, self.device)
+        warm = min(32, num_tokens)
+        warm_up = Batch.build([tokens[:warm]], [0], [table], self.block_size, self.device)
         self.model(warm_up, self.kv_cache)
         batch = Batch.build([tokens], [0], [table], self.block_size, self.device)
         started = time.perf_counter()
