@@ -34,10 +34,17 @@ def test_the_setting_chooses_the_build(monkeypatch) -> None:
     library_at("avx2")
     monkeypatch.setenv(build.ISA_ENV, "avx2")
     assert build.load_library() is build.library_for("avx2")
-    # No AVX-512 BF16 at x86-64-v3: the int4 matmul takes its portable loop.
-    assert NativeInt4Matmul().kind == "portable"
+    # No AVX-512 BF16 at x86-64-v3: the int4 matmul takes its AVX2 loop.
+    assert NativeInt4Matmul().kind == "avx2"
     monkeypatch.delenv(build.ISA_ENV)
     assert build.load_library() is build.library_for("native")
+
+
+def test_each_level_takes_its_own_int4_loop() -> None:
+    kinds = {isa: NativeInt4Matmul(library_at(isa)).kind for isa in ISAS}
+    assert kinds.get("avx2", "avx2") == "avx2"
+    assert kinds.get("portable", "portable") == "portable"
+    assert kinds.get("avx512", "avx2") == "avx2"  # x86-64-v4: AVX2, but no AVX-512 BF16
 
 
 def test_an_unknown_level_is_refused_and_the_reference_serves(monkeypatch, caplog) -> None:

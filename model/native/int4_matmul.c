@@ -5,7 +5,9 @@
  * model/quantized_linear.py) is tiled for this loop: tiles of 16 output columns, each with
  * its whole K contiguous, so one tile of weights (at most a few kB) is expanded once per
  * block of 8 rows and stays in L1 for the next block. A row's sums are taken in the same
- * order whatever the number of rows, so its result does not depend on its batch.
+ * order whatever the number of rows, so its result does not depend on its batch. Three
+ * loops: AVX-512 BF16 (dpbf16 on bf16 pairs), AVX2 + FMA (the nibbles widened to fp32,
+ * products by FMA) and a portable one the compiler vectorises.
  *
  * Packed bytes of tile t, group g, step s (0..7, four K values each): 32 bytes; byte
  * 2 i + e holds q[16 t + i][32 g + 4 s + e] in its low nibble and q[16 t + i][32 g + 4 s +
@@ -39,9 +41,10 @@ static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
  * applied once per group. A (row, column)'s operations and their order are the same
  * whatever the block's shape. */
 static inline __attribute__((always_inline)) void tile_block(
-    const uint16_t *x, int64_t x_stride, const float *xsum, int64_t groups,
+    const uint16_t *x, int64_t x_stride, const float *xf, const float *xsum, int64_t groups,
     const uint8_t *w, int64_t tile_bytes, const uint16_t *sz, int64_t tile_scales,
     uint16_t *y, int64_t y_stride, const int rows, const int tiles) {
+    (void)xf;
     /* bf16 of q - 8 for q = 0..15, twice: vpermw reads five index bits, and the fifth is
      * the high nibble's lowest one, so both halves must agree. */
     static const uint16_t table_values[32] = {
@@ -95,6 +98,78 @@ static inline __attribute__((always_inline)) void tile_block(
 }
 #define INT4_KERNEL "avx512_bf16"
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* The fp32 copy of x the FMA loop broadcasts from (one load per value, where a bf16 value
+ * would take a load, a shift and a broadcast). */
+#define X_FP32 1
+
+/* Eight columns (`half` of a tile) for `rows` rows (both constants in each caller): per
+ * group, each step's 32 bytes widened to fp32 (q - 8) in registers once for all the rows,
+ * each row's products summed by FMA in K order; scale and zero applied once per group, as
+ * the AVX-512 path does. A (row, column)'s operations and their order are the same
+ * whatever the block's shape. */
+static inline __attribute__((always_inline)) void half_tile(
+    const float *xf, int64_t k, const float *xsum, int64_t groups, const uint8_t *w,
+    const uint16_t *sz, uint16_t *y, int64_t y_stride, const int rows, const int half) {
+    const __m256i nibble = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    __m256 total[ROW_BLOCK];
+    for (int m = 0; m < rows; m++) total[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 part[ROW_BLOCK];
+        for (int m = 0; m < rows; m++) part[m] = _mm256_setzero_ps();
+        const uint8_t *wg = w + g * (TILE * GROUP / 2);
+        for (int s = 0; s < GROUP / 4; s++) {
+            /* 32-bit lane i: bytes 2 i and 2 i + 1 of the step, column 8 half + i; its
+             * nibbles from the lowest hold K offsets 0, 2, 1, 3. */
+            const __m256i words = _mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i *)(wg + 32 * s + 16 * half)));
+            const __m256i q[4] = {
+                _mm256_and_si256(words, nibble),
+                _mm256_and_si256(_mm256_srli_epi32(words, 8), nibble),
+                _mm256_and_si256(_mm256_srli_epi32(words, 4), nibble),
+                _mm256_srli_epi32(words, 12),
+            };
+            for (int e = 0; e < 4; e++) {
+                const __m256 wv = _mm256_cvtepi32_ps(_mm256_sub_epi32(q[e], eight));
+                const float *xk = xf + g * GROUP + 4 * s + e;
+                for (int m = 0; m < rows; m++)
+                    part[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * k), wv, part[m]);
+            }
+        }
+        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sz + g * 2 * TILE + 8 * half))),
+            16));
+        const __m256 zero = _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i *)(sz + g * 2 * TILE + TILE + 8 * half))),
+            16));
+        for (int m = 0; m < rows; m++) {
+            total[m] = _mm256_fmadd_ps(part[m], scale, total[m]);
+            total[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g]), zero, total[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        float out[8];
+        _mm256_storeu_ps(out, total[m]);
+        for (int j = 0; j < 8; j++) y[m * y_stride + 8 * half + j] = to_bf16(out[j]);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_block(
+    const uint16_t *x, int64_t x_stride, const float *xf, const float *xsum, int64_t groups,
+    const uint8_t *w, int64_t tile_bytes, const uint16_t *sz, int64_t tile_scales,
+    uint16_t *y, int64_t y_stride, const int rows, const int tiles) {
+    (void)x, (void)x_stride;
+    const int64_t k = groups * GROUP; /* the length of xf's rows */
+    for (int j = 0; j < tiles; j++)
+        for (int half = 0; half < 2; half++)
+            half_tile(xf, k, xsum, groups, w + j * tile_bytes, sz + j * tile_scales,
+                      y + j * TILE, y_stride, rows, half);
+}
+#define INT4_KERNEL "avx2"
+
 #else
 
 /* Portable version: each group of the tile is expanded to fp32 once per block of rows, and
@@ -134,15 +209,19 @@ static inline void one_tile(
         for (int i = 0; i < TILE; i++) y[m * y_stride + i] = to_bf16(total[m][i]);
 }
 static inline void tile_block(
-    const uint16_t *x, int64_t x_stride, const float *xsum, int64_t groups,
+    const uint16_t *x, int64_t x_stride, const float *xf, const float *xsum, int64_t groups,
     const uint8_t *w, int64_t tile_bytes, const uint16_t *sz, int64_t tile_scales,
     uint16_t *y, int64_t y_stride, const int rows, const int tiles) {
+    (void)xf;
     for (int j = 0; j < tiles; j++)
         one_tile(x, x_stride, xsum, groups, w + j * tile_bytes, sz + j * tile_scales,
                  y + j * TILE, y_stride, rows);
 }
 #define INT4_KERNEL "portable"
 
+#endif
+#ifndef X_FP32
+#define X_FP32 0
 #endif
 
 const char *int4_matmul_kind(void) { return INT4_KERNEL; }
@@ -155,19 +234,28 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
     /* Sum of each row's x over each group, for the zeros: w x summed = scale (q - 8) x
      * summed + zero x summed. */
-    float *xsum = malloc(sizeof(float) * (rows > 0 ? rows : 1) * groups);
-    if (xsum == NULL) return 2;
+    const int64_t allocated = rows > 0 ? rows : 1;
+    float *xsum = malloc(sizeof(float) * allocated * groups);
+    float *xf = X_FP32 ? malloc(sizeof(float) * allocated * k) : NULL;
+    if (xsum == NULL || (X_FP32 && xf == NULL)) {
+        free(xsum);
+        free(xf);
+        return 2;
+    }
     for (int64_t m = 0; m < rows; m++)
         for (int64_t g = 0; g < groups; g++) {
             float total = 0.0f;
             for (int64_t j = 0; j < GROUP; j++) total += from_bf16(x[m * x_stride + g * GROUP + j]);
             xsum[m * groups + g] = total;
         }
+    if (X_FP32)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t j = 0; j < k; j++) xf[m * k + j] = from_bf16(x[m * x_stride + j]);
     const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
 #define BLOCK(n, pair)                                                                     \
-    tile_block(x + m0 * x_stride, x_stride, xsum + m0 * groups, groups, w + t * tile_bytes,   \
-               tile_bytes, sz + t * tile_scales, tile_scales, y + m0 * n_out + t * TILE, n_out, \
-               n, pair)
+    tile_block(x + m0 * x_stride, x_stride, X_FP32 ? xf + m0 * k : NULL, xsum + m0 * groups,   \
+               groups, w + t * tile_bytes, tile_bytes, sz + t * tile_scales, tile_scales,      \
+               y + m0 * n_out + t * TILE, n_out, n, pair)
 #define PAIR(n) BLOCK(n, 2)
 #define SINGLE(n) BLOCK(n, 1)
     /* Pairs pay where the products are the cost; a few rows stream the weights from
@@ -182,5 +270,6 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
 #undef PAIR
 #undef BLOCK
     free(xsum);
+    free(xf);
     return 0;
 }

@@ -56,7 +56,7 @@ class _TiledMatmul:
         self.kernel.restype = ctypes.c_int
         kind = getattr(library, f"{self.symbol}_kind")
         kind.restype = ctypes.c_char_p
-        # "avx512_bf16" or "portable": which loop this machine's build compiled.
+        # Which loop the build compiled: "avx512_bf16", "avx512_vnni", "avx2" or "portable".
         self.kind: str = kind().decode()
 
     def __call__(
