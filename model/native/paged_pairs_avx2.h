@@ -1,7 +1,8 @@
-/* paged_decode.c's vectorised path with AVX2 and FMA (8 fp32 lanes): `pair_bf16`, one
- * (query, KV head) pair with bf16 q, caches and output, head_dim 64 or 128, for CPUs
- * without AVX-512 (the AVX2-only EPYCs). Included by paged_decode.c alone, where the
- * compiler targets AVX2 but not AVX-512; MAX_GROUP comes from there.
+/* paged_decode.c's vectorised path with AVX2 and FMA (8 fp32 lanes) for bf16 q, caches
+ * and output, head_dim 64 or 128, on CPUs without AVX-512 (the AVX2-only EPYCs):
+ * `group_scores`, `exponentiate` and `heads_values`, which paged_decode.c's `pair_bf16`
+ * calls. Included by paged_decode.c alone, where the compiler targets AVX2 but not
+ * AVX-512.
  *
  * The generic loop the compiler vectorises took about twice SDPA's time for a 512-token
  * prefill here: every score a dot product reduced across lanes on its own, every value
@@ -70,7 +71,7 @@ static inline float sum_lanes(__m256 v) {
 }
 
 /* s[t] = e^(s[t] - top) for t < len, top their largest; returns their sum. */
-static inline float exponentiate8(float *s, int64_t len) {
+static inline float exponentiate(float *s, int64_t len) {
     float top = s[0];
     for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
     const __m256 shift = _mm256_set1_ps(top);
@@ -94,10 +95,11 @@ static inline float exponentiate8(float *s, int64_t len) {
  * halves) sharing one KV head: keys 8 at a time, each widened once into `wide` (even
  * elements, then odd, per 16) for every head in turn; a run past the sequence's end
  * repeats its last key and stores only the lanes before the end. */
-static inline __attribute__((always_inline)) void group_scores8(
-    const uint16_t *q, const uint16_t *k_cache, const int64_t *table, int64_t len,
-    int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t group, float scale,
-    float *scores, const int halves) {
+static inline __attribute__((always_inline)) void group_scores(
+    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
+    int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t group,
+    float scale, float *scores, int prefetch, const int halves) {
+    (void)v_cache, (void)prefetch; /* the next 8 keys are one block's neighbours */
     const int64_t head_dim = 32 * halves;
     const int chunks = 2 * halves; /* of 16 elements */
     __m256 wide[8][8][2];
@@ -132,10 +134,11 @@ static inline __attribute__((always_inline)) void group_scores8(
  * sharing the values, 16 elements of the head at a time: each token's 16 widened once for
  * all the heads, each (head, element) summing its tokens in order in one lane, so a head's
  * result does not depend on how many heads are taken at once. */
-static inline __attribute__((always_inline)) void heads_values8(
+static inline __attribute__((always_inline)) void heads_values(
     const float *p, const float *inverse_total, const uint16_t *v_cache, const int64_t *table,
     int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride, uint16_t *out,
-    int64_t head_dim, const int heads) {
+    const int heads, const int halves) {
+    const int64_t head_dim = 32 * halves;
     for (int64_t c = 0; c < head_dim; c += 16) {
         __m256 acc[4][2];
         for (int h = 0; h < heads; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
@@ -164,32 +167,7 @@ static inline __attribute__((always_inline)) void heads_values8(
     }
 }
 
-/* One (query, KV head) pair, as the AVX-512 path's `pair_bf16` (the same arguments;
- * `prefetch` unused: the next 8 keys are one block's neighbours). */
-static inline __attribute__((always_inline)) void pair_bf16(
-    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
-    int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride,
-    int64_t group, float scale, float *scores, uint16_t *out, int prefetch, const int halves) {
-    (void)prefetch;
-    const int64_t head_dim = 32 * halves;
-    float inverse_total[MAX_GROUP];
-    group_scores8(q, k_cache, table, len, block_size, block_stride, token_stride, group, scale,
-                  scores, halves);
-    for (int64_t g = 0; g < group; g++)
-        inverse_total[g] = 1.0f / exponentiate8(scores + g * len, len);
-    for (int64_t g = 0, n; g < group; g += n) {
-        n = group - g < 4 ? group - g : 4;
-#define HEADS(count)                                                                       \
-    heads_values8(scores + g * len, inverse_total + g, v_cache, table, len, block_size,     \
-                  block_stride, token_stride, out + g * head_dim, head_dim, count)
-        switch (n) {
-        case 4: HEADS(4); break;
-        case 3: HEADS(3); break;
-        case 2: HEADS(2); break;
-        default: HEADS(1); break;
-        }
-#undef HEADS
-    }
-}
+/* Query heads whose values are weighed at once. */
+#define HEADS_AT_ONCE(halves) 4
 
 #endif

@@ -1,6 +1,7 @@
-/* paged_decode.c's vectorised path with AVX-512 (dpbf16 where the CPU has AVX-512 BF16):
- * `pair_bf16`, one (query, KV head) pair with bf16 q, caches and output, head_dim 64 or
- * 128. Included by paged_decode.c alone, where the compiler targets AVX-512. */
+/* paged_decode.c's vectorised path with AVX-512 (dpbf16 where the CPU has AVX-512 BF16)
+ * for bf16 q, caches and output, head_dim 64 or 128: `group_scores`, `exponentiate` and
+ * `heads_values`, which paged_decode.c's `pair_bf16` calls. Included by paged_decode.c
+ * alone, where the compiler targets AVX-512. */
 #ifndef LLAMASERVE_PAGED_PAIRS_AVX512_H
 #define LLAMASERVE_PAGED_PAIRS_AVX512_H
 
@@ -215,34 +216,7 @@ static inline __attribute__((always_inline)) void heads_values(
         }
 }
 
-/* One (query, KV head) pair with bf16 q, caches and output and head_dim = 32 halves
- * (halves a constant: 2 or 4): the scores of every query head sharing the KV head, their
- * exponentials, then the weighted values of up to 8 / halves query heads at a time (their
- * accumulators fill the registers). A prefill's query and a decode take this same path,
- * so a token's attention is the same bits however its prompt was chunked. */
-static inline __attribute__((always_inline)) void pair_bf16(
-    const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
-    int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride,
-    int64_t group, float scale, float *scores, uint16_t *out, int prefetch, const int halves) {
-    const int64_t head_dim = 32 * halves, at_once = 8 / halves;
-    float inverse_total[MAX_GROUP];
-    group_scores(q, k_cache, v_cache, table, len, block_size, block_stride, token_stride, group,
-                 scale, scores, prefetch, halves);
-    for (int64_t g = 0; g < group; g++)
-        inverse_total[g] = 1.0f / exponentiate(scores + g * len, len);
-    for (int64_t g = 0, n; g < group; g += n) {
-        n = group - g < at_once ? group - g : at_once;
-#define HEADS(count)                                                                       \
-    heads_values(scores + g * len, inverse_total + g, v_cache, table, len, block_size,      \
-                 block_stride, token_stride, out + g * head_dim, count, halves)
-        switch (n) {
-        case 4: HEADS(4); break;
-        case 3: HEADS(3); break;
-        case 2: HEADS(2); break;
-        default: HEADS(1); break;
-        }
-#undef HEADS
-    }
-}
+/* Query heads whose values are weighed at once: their accumulators fill the registers. */
+#define HEADS_AT_ONCE(halves) (8 / (halves))
 
 #endif
