@@ -8,8 +8,9 @@ it is 1.7-2.9x faster than PyTorch's at 1 to 512 rows. With int8 activations
 (int4_matmul_a8.c) AVX-512 VNNI takes twice the products per instruction, for rounding
 each row's activations to 8 bits in groups of 32. Elsewhere (an AVX2-only CPU gets the
 bf16 kernel's AVX2 loop and the int8 one's portable loop, other CPUs portable loops, a
-machine without a compiler neither) the order may differ, so it is timed, not assumed. `--quantization int4` (weight-only) chooses between the two with
-bf16 activations, `w4a8` takes the int8 one. One kernel serves a shape at every batch
+machine without a compiler neither) the order may differ, so it is timed, not assumed.
+`--quantization int4` (weight-only) chooses between the two with bf16 activations, `w4a8`
+takes the int8 one. One kernel serves a shape at every batch
 size: a row's result must not depend on how many rows share its step.
 """
 
