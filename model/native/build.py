@@ -9,10 +9,10 @@ compiler gets `NativeUnavailable` saying so, and the caller falls back to plain 
 
 `LLAMASERVE_CPU_ISA` builds for a lower instruction level than the machine's: `avx512`
 (x86-64-v4: AVX-512 without its BF16 and VNNI extensions), `avx2` (x86-64-v3, the
-AVX2-only EPYCs) or `portable` (baseline x86-64). The kernels take other
-loops at each level, so the tests run them at every level the machine can execute
-(`executable_isas`), and a developer on an AVX-512 machine sees what an AVX2 one runs.
-It is read where the library is chosen, like `CC`: a build setting, not a serving one.
+AVX2-only EPYCs) or `portable` (baseline x86-64). The kernels take other loops at each
+level, so the tests run them at every level the machine can execute (`executable_isas`),
+and a developer on an AVX-512 machine sees what an AVX2 one runs. It is read where the
+library is chosen, like `CC`: a build setting, not a serving one.
 """
 
 from __future__ import annotations
@@ -116,9 +116,11 @@ def library_for(level: str) -> ctypes.CDLL:
     if not target.exists():
         _build(compiler, compile_flags, target)
     try:
-        return ctypes.CDLL(str(target))
+        library = ctypes.CDLL(str(target))
     except OSError as exc:
         raise NativeUnavailable(f"cannot load {target}: {exc}") from None
+    logger.info("C kernels: the %s build (-march=%s), %s", level, ISA_MARCH[level], target)
+    return library
 
 
 def _build(compiler: str, compile_flags: tuple[str, ...], target: Path) -> None:
