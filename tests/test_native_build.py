@@ -10,7 +10,7 @@ import pytest
 
 from model.attention import attention_backend
 from model.native import build
-from model.native.ops import NativeInt4Matmul
+from model.native.ops import NativeInt4Matmul, NativeInt8Matmul
 from tests.native_builds import ISAS, library_at
 
 X86 = platform.machine() in ("x86_64", "AMD64")
@@ -40,8 +40,9 @@ def test_the_setting_chooses_the_build(monkeypatch) -> None:
     assert build.load_library() is build.library_for("native")
 
 
-def test_each_level_takes_its_own_int4_loop() -> None:
-    kinds = {isa: NativeInt4Matmul(library_at(isa)).kind for isa in ISAS}
+@pytest.mark.parametrize("kernel", [NativeInt4Matmul, NativeInt8Matmul])
+def test_each_level_takes_its_own_matmul_loop(kernel: type) -> None:
+    kinds = {isa: kernel(library_at(isa)).kind for isa in ISAS}
     assert kinds.get("avx2", "avx2") == "avx2"
     assert kinds.get("portable", "portable") == "portable"
     assert kinds.get("avx512", "avx2") == "avx2"  # x86-64-v4: AVX2, but no AVX-512 BF16

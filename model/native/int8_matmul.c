@@ -5,13 +5,15 @@
  * GGUF's Q8_0, the type of most GGUF files' embedding and output weights, held exactly.
  * The layout (written by NativeInt8Matmul.pack in model/native/ops.py) is tiled like
  * int4_matmul.c's: tiles of 16 output columns with their whole K contiguous, each tile's
- * weights converted to bf16 (exact for |q| <= 127) once per block of 8 rows. A row's sums
- * are taken in the same order whatever the number of rows.
+ * weights converted to bf16 (exact for |q| <= 127) once per block of 8 rows, summed by
+ * dpbf16 with AVX-512 BF16; with AVX2 + FMA converted to fp32 and summed by FMA; elsewhere
+ * by a portable loop. A row's sums are taken in the same order whatever the number of rows.
  *
  * Bytes of tile t, group g, step p (0..15, two K values each): 32 bytes; byte 2 i + e is
  * q[16 t + i][32 g + 2 p + e]. Scales of tile t, group g: 16 fp32.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
@@ -32,8 +34,9 @@ static inline __m512bh int8_to_bf16(const uint8_t *p) {
 }
 
 static inline __attribute__((always_inline)) void tile_block(
-    const uint16_t *x, int64_t x_stride, int64_t groups, const uint8_t *w, const float *scales,
-    float *y, int64_t y_stride, const int rows) {
+    const uint16_t *x, int64_t x_stride, const float *xf, int64_t groups, const uint8_t *w,
+    const float *scales, float *y, int64_t y_stride, const int rows) {
+    (void)xf;
     __m512 total[ROW_BLOCK];
     for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -56,6 +59,55 @@ static inline __attribute__((always_inline)) void tile_block(
 }
 #define INT8_KERNEL "avx512_bf16"
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* The fp32 copy of x the FMA loop broadcasts from. */
+#define X_FP32 1
+
+/* Eight columns (`half` of a tile) for `rows` rows (constants in each caller): each
+ * step's 16 bytes widened to fp32 in registers once for all the rows, each row's products
+ * summed by FMA in K order, the scale applied once per group. A (row, column)'s operations
+ * and their order are the same whatever the block's shape. */
+static inline __attribute__((always_inline)) void half_tile(
+    const float *xf, int64_t k, int64_t groups, const uint8_t *w, const float *scales,
+    float *y, int64_t y_stride, const int rows, const int half) {
+    __m256 total[ROW_BLOCK];
+    for (int m = 0; m < rows; m++) total[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 part[ROW_BLOCK];
+        for (int m = 0; m < rows; m++) part[m] = _mm256_setzero_ps();
+        const uint8_t *wg = w + g * TILE * GROUP;
+        for (int p = 0; p < GROUP / 2; p++) {
+            /* 32-bit lane i: bytes 2 i (K offset 0) and 2 i + 1 (K offset 1) of column
+             * 8 half + i, each sign-extended by shifting it to the top and back. */
+            const __m256i words = _mm256_cvtepu16_epi32(
+                _mm_loadu_si128((const __m128i *)(wg + 32 * p + 16 * half)));
+            const __m256 wv[2] = {
+                _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 24), 24)),
+                _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(words, 16), 24)),
+            };
+            for (int e = 0; e < 2; e++) {
+                const float *xk = xf + g * GROUP + 2 * p + e;
+                for (int m = 0; m < rows; m++)
+                    part[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * k), wv[e], part[m]);
+            }
+        }
+        const __m256 scale = _mm256_loadu_ps(scales + g * TILE + 8 * half);
+        for (int m = 0; m < rows; m++) total[m] = _mm256_fmadd_ps(part[m], scale, total[m]);
+    }
+    for (int m = 0; m < rows; m++) _mm256_storeu_ps(y + m * y_stride + 8 * half, total[m]);
+}
+
+static inline __attribute__((always_inline)) void tile_block(
+    const uint16_t *x, int64_t x_stride, const float *xf, int64_t groups, const uint8_t *w,
+    const float *scales, float *y, int64_t y_stride, const int rows) {
+    (void)x, (void)x_stride;
+    for (int half = 0; half < 2; half++)
+        half_tile(xf, groups * GROUP, groups, w, scales, y, y_stride, rows, half);
+}
+#define INT8_KERNEL "avx2"
+
 #else
 
 /* Portable version; one row's sums are a call of their own, so that fast math cannot
@@ -70,9 +122,10 @@ static __attribute__((noinline)) void row_group(const float wq[GROUP][TILE], con
     for (int i = 0; i < TILE; i++) total[i] += part[i] * scale[i];
 }
 
-static inline void tile_block(const uint16_t *x, int64_t x_stride, int64_t groups,
-                              const uint8_t *w, const float *scales, float *y, int64_t y_stride,
-                              const int rows) {
+static inline void tile_block(const uint16_t *x, int64_t x_stride, const float *xf,
+                              int64_t groups, const uint8_t *w, const float *scales, float *y,
+                              int64_t y_stride, const int rows) {
+    (void)xf;
     float total[ROW_BLOCK][TILE] = {{0}};
     for (int64_t g = 0; g < groups; g++) {
         float wq[GROUP][TILE];
@@ -89,19 +142,28 @@ static inline void tile_block(const uint16_t *x, int64_t x_stride, int64_t group
 #define INT8_KERNEL "portable"
 
 #endif
+#ifndef X_FP32
+#define X_FP32 0
+#endif
 
 const char *int8_matmul_kind(void) { return INT8_KERNEL; }
 
 /* x [rows, x_stride] bf16; w, scales as above for n_out columns; y [rows, n_out] fp32.
- * n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0 (it allocates
- * nothing; the status is int4_matmul_bf16's calling convention). */
+ * n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0, or 2 when out of
+ * memory (the AVX2 loop's fp32 copy of x). */
 int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
                       float *y, int64_t rows, int64_t n_out, int64_t k) {
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
+    float *xf = X_FP32 ? malloc(sizeof(float) * (rows > 0 ? rows : 1) * k) : NULL;
+    if (X_FP32 && xf == NULL) return 2;
+    if (X_FP32)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t j = 0; j < k; j++) xf[m * k + j] = from_bf16(x[m * x_stride + j]);
 #define BLOCK(n)                                                                           \
-    tile_block(x + m0 * x_stride, x_stride, groups, w + t * k * TILE, scales + t * groups * TILE, \
-               y + m0 * n_out + t * TILE, n_out, n)
+    tile_block(x + m0 * x_stride, x_stride, X_FP32 ? xf + m0 * k : NULL, groups,            \
+               w + t * k * TILE, scales + t * groups * TILE, y + m0 * n_out + t * TILE, n_out, n)
     FOR_TILES_AND_ROW_BLOCKS(tiles, rows, BLOCK)
 #undef BLOCK
+    free(xf);
     return 0;
 }
