@@ -4,6 +4,7 @@
 #define LLAMASERVE_BF16_H
 
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 static inline float from_bf16(uint16_t x) {
@@ -31,6 +32,16 @@ static inline __attribute__((always_inline)) void store(void *p, int64_t i, floa
         ((uint16_t *)p)[i] = to_bf16(x);
     else
         ((float *)p)[i] = x;
+}
+
+/* A malloc'd fp32 copy of `rows` bf16 rows of k values, `stride` apart, as the AVX2
+ * matmul loops broadcast them; NULL when out of memory. */
+static inline float *fp32_rows(const uint16_t *x, int64_t stride, int64_t rows, int64_t k) {
+    float *out = malloc(sizeof(float) * (rows > 0 ? rows : 1) * k);
+    if (out != NULL)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t j = 0; j < k; j++) out[m * k + j] = from_bf16(x[m * stride + j]);
+    return out;
 }
 
 /* x as the array's type would hold it. */

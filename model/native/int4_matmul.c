@@ -105,6 +105,11 @@ static inline __attribute__((always_inline)) void tile_block(
  * would take a load, a shift and a broadcast). */
 #define X_FP32 1
 
+static inline __m256 bf16x8_to_ps(const uint16_t *p) {
+    const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+}
+
 /* Eight columns (`half` of a tile) for `rows` rows (both constants in each caller): per
  * group, each step's 32 bytes widened to fp32 (q - 8) in registers once for all the rows,
  * each row's products summed by FMA in K order; scale and zero applied once per group, as
@@ -138,13 +143,8 @@ static inline __attribute__((always_inline)) void half_tile(
                     part[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * k), wv, part[m]);
             }
         }
-        const __m256 scale = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(sz + g * 2 * TILE + 8 * half))),
-            16));
-        const __m256 zero = _mm256_castsi256_ps(_mm256_slli_epi32(
-            _mm256_cvtepu16_epi32(
-                _mm_loadu_si128((const __m128i *)(sz + g * 2 * TILE + TILE + 8 * half))),
-            16));
+        const __m256 scale = bf16x8_to_ps(sz + g * 2 * TILE + 8 * half);
+        const __m256 zero = bf16x8_to_ps(sz + g * 2 * TILE + TILE + 8 * half);
         for (int m = 0; m < rows; m++) {
             total[m] = _mm256_fmadd_ps(part[m], scale, total[m]);
             total[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g]), zero, total[m]);
@@ -234,9 +234,8 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
     /* Sum of each row's x over each group, for the zeros: w x summed = scale (q - 8) x
      * summed + zero x summed. */
-    const int64_t allocated = rows > 0 ? rows : 1;
-    float *xsum = malloc(sizeof(float) * allocated * groups);
-    float *xf = X_FP32 ? malloc(sizeof(float) * allocated * k) : NULL;
+    float *xsum = malloc(sizeof(float) * (rows > 0 ? rows : 1) * groups);
+    float *xf = X_FP32 ? fp32_rows(x, x_stride, rows, k) : NULL;
     if (xsum == NULL || (X_FP32 && xf == NULL)) {
         free(xsum);
         free(xf);
@@ -248,9 +247,6 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
             for (int64_t j = 0; j < GROUP; j++) total += from_bf16(x[m * x_stride + g * GROUP + j]);
             xsum[m * groups + g] = total;
         }
-    if (X_FP32)
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t j = 0; j < k; j++) xf[m * k + j] = from_bf16(x[m * x_stride + j]);
     const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
 #define BLOCK(n, pair)                                                                     \
     tile_block(x + m0 * x_stride, x_stride, X_FP32 ? xf + m0 * k : NULL, xsum + m0 * groups,   \

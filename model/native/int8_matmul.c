@@ -154,11 +154,8 @@ const char *int8_matmul_kind(void) { return INT8_KERNEL; }
 int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
                       float *y, int64_t rows, int64_t n_out, int64_t k) {
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
-    float *xf = X_FP32 ? malloc(sizeof(float) * (rows > 0 ? rows : 1) * k) : NULL;
+    float *xf = X_FP32 ? fp32_rows(x, x_stride, rows, k) : NULL;
     if (X_FP32 && xf == NULL) return 2;
-    if (X_FP32)
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t j = 0; j < k; j++) xf[m * k + j] = from_bf16(x[m * x_stride + j]);
 #define BLOCK(n)                                                                           \
     tile_block(x + m0 * x_stride, x_stride, X_FP32 ? xf + m0 * k : NULL, groups,            \
                w + t * k * TILE, scales + t * groups * TILE, y + m0 * n_out + t * TILE, n_out, n)
