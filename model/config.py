@@ -1,5 +1,6 @@
-"""`ModelConfig`: the hyper-parameters of a Llama-family network, read from an HF
-`config.json`, from GGUF metadata or from a Meta checkpoint's `params.json`.
+"""`ModelConfig`: the hyper-parameters of a network of one of the supported families
+(model/families/), read from an HF `config.json`, from GGUF metadata or from a Meta
+checkpoint's `params.json`.
 
 Owns the translation of every checkpoint format's names into one set of fields and the
 refusal of shapes we cannot run. Must never touch weights or tensors.
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from model.errors import UnsupportedModelError
+from model.families import family_for_gguf, family_for_hf
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -41,6 +43,10 @@ class ModelConfig:
     max_position: int = 2048
     tie_embeddings: bool = False
     architecture: str = "llama"
+    # What a family adds to Llama's layer (model/families/).
+    qkv_bias: bool = False  # Qwen2: a bias on the Q, K and V projections
+    qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head
+    sliding_window: int | None = None  # Mistral v0.1: attend to the last N positions only
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -66,23 +72,16 @@ class ModelConfig:
     def num_parameters(self) -> int:
         attn = self.dim * (self.q_size + 2 * self.kv_size) + self.q_size * self.dim
         ffn = 3 * self.dim * self.ffn_dim
-        norms = 2 * self.dim
+        norms = 2 * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        attn += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + ffn + norms) + self.dim + embed
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         model_type = cfg.get("model_type", "llama")
-        if (
-            model_type not in ("llama", "mistral")
-            or cfg.get("attention_bias")
-            or cfg.get("mlp_bias")
-        ):
-            raise UnsupportedModelError(
-                f"{source}: unsupported architecture (model_type={model_type!r}, "
-                f"attention_bias={cfg.get('attention_bias')}, mlp_bias={cfg.get('mlp_bias')}); "
-                "llamaserve runs Llama-family models without biases"
-            )
+        family = family_for_hf(model_type, source)
+        extra = family.hf_fields(cfg, source)
         if cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r}")
         n_heads = cfg["num_attention_heads"]
@@ -104,6 +103,8 @@ class ModelConfig:
             rope_scaling=_rope_scaling(rope, source),
             max_position=cfg.get("max_position_embeddings", 2048),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            architecture=family.name,
+            **extra,
         )
 
     @classmethod
@@ -122,42 +123,42 @@ class ModelConfig:
     def from_gguf_metadata(
         cls, md: dict[str, Any], tensor_names: set[str], source: str = "GGUF"
     ) -> ModelConfig:
-        arch = md.get("general.architecture")
-        if arch != "llama":
-            raise UnsupportedModelError(
-                f"{source}: unsupported architecture {arch!r}; llamaserve runs 'llama' GGUF files"
-            )
+        family = family_for_gguf(md.get("general.architecture"), source)
+        prefix = f"{md['general.architecture']}."
+        arch = {k.removeprefix(prefix): v for k, v in md.items() if k.startswith(prefix)}
         try:
-            dim = md["llama.embedding_length"]
-            n_heads = md["llama.attention.head_count"]
-            head_dim = md.get("llama.attention.key_length") or dim // n_heads
-            rot_dims = md.get("llama.rope.dimension_count", head_dim)
+            dim = arch["embedding_length"]
+            n_heads = arch["attention.head_count"]
+            head_dim = arch.get("attention.key_length") or dim // n_heads
+            rot_dims = arch.get("rope.dimension_count", head_dim)
             if rot_dims != head_dim:
                 raise UnsupportedModelError(
                     f"{source}: partial rotary embeddings ({rot_dims} of {head_dim} dims) "
                     "are not supported"
                 )
             scaling: dict[str, Any] = {}
-            if md.get("llama.rope.scaling.type") == "linear":
-                scaling = {"rope_type": "linear", "factor": md["llama.rope.scaling.factor"]}
-            elif md.get("llama.rope.scaling.type") not in (None, "none"):
+            if arch.get("rope.scaling.type") == "linear":
+                scaling = {"rope_type": "linear", "factor": arch["rope.scaling.factor"]}
+            elif arch.get("rope.scaling.type") not in (None, "none"):
                 raise UnsupportedModelError(
-                    f"{source}: unsupported rope scaling {md['llama.rope.scaling.type']!r}"
+                    f"{source}: unsupported rope scaling {arch['rope.scaling.type']!r}"
                 )
-            vocab = md.get("llama.vocab_size") or len(md["tokenizer.ggml.tokens"])
+            vocab = arch.get("vocab_size") or len(md["tokenizer.ggml.tokens"])
             return cls(
                 dim=dim,
-                n_layers=md["llama.block_count"],
+                n_layers=arch["block_count"],
                 n_heads=n_heads,
-                n_kv_heads=md.get("llama.attention.head_count_kv") or n_heads,
+                n_kv_heads=arch.get("attention.head_count_kv") or n_heads,
                 head_dim=head_dim,
-                ffn_dim=md["llama.feed_forward_length"],
+                ffn_dim=arch["feed_forward_length"],
                 vocab_size=vocab,
-                norm_eps=md.get("llama.attention.layer_norm_rms_epsilon", 1e-5),
-                rope_theta=float(md.get("llama.rope.freq_base", 10000.0)),
+                norm_eps=arch.get("attention.layer_norm_rms_epsilon", 1e-5),
+                rope_theta=float(arch.get("rope.freq_base", 10000.0)),
                 rope_scaling=_rope_scaling(scaling, source),
-                max_position=md.get("llama.context_length", 2048),
+                max_position=arch.get("context_length", 2048),
                 tie_embeddings="output.weight" not in tensor_names,
+                architecture=family.name,
+                **family.gguf_fields(arch, source),
             )
         except KeyError as exc:
             raise UnsupportedModelError(f"{source}: missing GGUF metadata {exc}") from None

@@ -8,6 +8,7 @@ takes HF-named tensors in the HF (rotate-halves) RoPE layout and fills the fused
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -25,6 +26,8 @@ from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
 from model.quantized_linear import Int4Linear, Int8GroupLinear, QuantizedLinear, quantized_linear
 from model.rope import RotaryEmbedding, apply_rope
+
+logger = logging.getLogger(__name__)
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]
 
@@ -55,6 +58,14 @@ class DecoderLayer(nn.Module):
         self.config = config
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.qkv_proj = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=False)
+        # Kept beside the projection rather than in it: quantised projections have no bias.
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(config.q_size + 2 * config.kv_size))
+            if config.qkv_bias
+            else None
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
         self.o_proj = nn.Linear(config.q_size, config.dim, bias=False)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
@@ -75,6 +86,7 @@ class DecoderLayer(nn.Module):
         plan: object,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         c = self.config
         scale = c.head_dim**-0.5
@@ -90,14 +102,20 @@ class DecoderLayer(nn.Module):
                 if out is not None:
                     return out
             q, k, v = self.native.attention_input(h, *rope)
-            attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=scale)
+            attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
             return self.native.attention_output(h, attn)
         qkv = self.qkv_proj(self.input_layernorm(h))
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
         qk, v = qkv.split([c.q_size + c.kv_size, c.kv_size], dim=-1)
-        qk = apply_rope(qk.reshape(-1, c.n_heads + c.n_kv_heads, c.head_dim), *rope)
+        qk = qk.reshape(-1, c.n_heads + c.n_kv_heads, c.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = apply_rope(qk, *rope)
         q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
-        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale=scale)
+        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
         out = self.o_proj(attn.reshape(-1, c.q_size))
         h = h + (self.reduce(out) if self.reduce else out)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
@@ -123,6 +141,7 @@ class Llama(nn.Module):
         self.vocab_rows = tp.vocab_rows(config.vocab_size) if tp else (0, config.vocab_size)
         vocab_rows = self.vocab_rows[1] - self.vocab_rows[0]
         self.attention = attention or TorchRefBackend()
+        self._window_backend: AttentionBackend | None = None
         # Rank 0 of a tensor-parallel group broadcasts each step here (model/parallel/steps.py).
         self.before_forward: Callable[[Batch, PagedKVCache], None] | None = None
         self.embed_tokens = nn.Embedding(vocab_rows, config.dim)
@@ -159,6 +178,8 @@ class Llama(nn.Module):
             projections = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
             fits = (
                 layer.reduce is None
+                and layer.qkv_bias is None
+                and layer.q_norm is None
                 and layer.input_layernorm.weight.dtype == torch.bfloat16
                 and all(
                     isinstance(p, Int4Linear) and p.kernel in NATIVE_INT4_KERNELS
@@ -262,17 +283,32 @@ class Llama(nn.Module):
         """Logits [len(batch.logits_indices), vocab] in fp32."""
         if self.before_forward is not None:
             self.before_forward(batch, kv_cache)
-        plan = self.attention.plan(batch)
+        attention, window = self.attention, self.config.sliding_window
+        if window is not None and not attention.supports_window:
+            attention = self._window_reference()
+        plan = attention.plan(batch)
         h = self._embed(batch.input_ids)
         rope = self.rope(batch.positions)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            h = layer(h, batch, rope, self.attention, plan, k_cache, v_cache)
+            h = layer(h, batch, rope, attention, plan, k_cache, v_cache, window)
         h = self.norm(h[batch.logits_indices])
         logits = self.lm_head(h).float()
         if self.tp:
             logits = gather_vocab(logits, self.config.vocab_size)
         return logits
+
+    def _window_reference(self) -> AttentionBackend:
+        """Sliding-window layers on a backend whose kernels attend to the whole context
+        run on the reference backend instead, over the same paged cache; said once."""
+        if not isinstance(self._window_backend, TorchRefBackend):
+            self._window_backend = TorchRefBackend()
+            logger.info(
+                "%s attention has no sliding window: the model's windowed layers use "
+                "torch_ref attention",
+                self.attention.name,
+            )
+        return self._window_backend
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_from_head:
@@ -302,9 +338,14 @@ class Llama(nn.Module):
         }
         params = dict(self.named_parameters())
         quantized = self.quantized_modules()
-        expected = {f"{n}@0" for n in params if "proj" not in n} | {"lm_head.weight@0"}
+        expected = {f"{n}@0" for n in params if "proj" not in n and "qkv_bias" not in n}
+        expected.add("lm_head.weight@0")
         for i in range(c.n_layers):
             expected |= {f"layers.{i}.{ours}.weight@{row}" for ours, row in fused.values()}
+            if c.qkv_bias:
+                expected |= {
+                    f"layers.{i}.qkv_bias@{row}" for row in (0, c.q_size, c.q_size + c.kv_size)
+                }
         if c.tie_embeddings:
             expected.discard("lm_head.weight@0")
         seen: set[str] = set()
@@ -317,6 +358,8 @@ class Llama(nn.Module):
                 if f".{hf_part}." in name:
                     name, row = name.replace(hf_part, ours), offset
                     break
+            name = name.replace("qkv_proj.bias", "qkv_bias")
+            name = name.replace("self_attn.q_norm", "q_norm").replace("self_attn.k_norm", "k_norm")
             key = f"{name}@{row}"
             if key not in expected:
                 raise ValueError(f"unexpected weight {hf_name} with shape {tuple(tensor.shape)}")
@@ -328,9 +371,7 @@ class Llama(nn.Module):
             if name in quantized:
                 quantized[name].load_rows(row, tensor)
                 continue
-            target = params[name]
-            rows = tensor.shape[0]
-            dest = target[row : row + rows] if target.dim() == 2 else target
+            dest = params[name][row : row + tensor.shape[0]]  # fused rows, or all of it
             if dest.shape != tensor.shape:
                 raise ValueError(
                     f"weight {hf_name} has shape {tuple(tensor.shape)}, "

@@ -19,6 +19,9 @@ class AttentionBackend(ABC):
     # True when a step of decodes only is planned from the batch's device tensors alone
     # (no host-to-device copies, a grid fixed by shapes): CUDA graphs can capture it.
     supports_cuda_graphs: bool = False
+    # True when `forward` honours `window` (sliding-window layers); a model with such layers
+    # sends them to the reference backend otherwise (model/llama.py).
+    supports_window: bool = False
 
     @abstractmethod
     def plan(self, batch: Batch) -> Any:
@@ -35,9 +38,11 @@ class AttentionBackend(ABC):
         batch: Batch,
         plan: Any,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """q: [T, n_heads, head_dim]; k, v: [T, n_kv_heads, head_dim] for the new tokens;
-        caches: [num_blocks, block_size, n_kv_heads, head_dim]. Returns [T, n_heads, head_dim]."""
+        caches: [num_blocks, block_size, n_kv_heads, head_dim]. Returns [T, n_heads, head_dim].
+        With `window`, a query at position p attends to positions p - window + 1 .. p only."""
 
 
 def write_kv(

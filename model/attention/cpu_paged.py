@@ -53,6 +53,7 @@ class CpuPagedBackend(TorchRefBackend):
     be built."""
 
     name = "cpu_paged"
+    supports_window = False  # the C kernel attends to the whole context
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         library = library or load_library()
@@ -94,6 +95,7 @@ class CpuPagedBackend(TorchRefBackend):
         group: _Group,
         plan: TorchRefPlan,
         scale: float,
+        window: int | None = None,  # never set: supports_window is False
     ) -> torch.Tensor:
         rows, max_q, n_heads, head_dim = queries.shape
         if max_q == 1:

@@ -12,7 +12,7 @@ Like every backend it never allocates blocks or sees a request; it must stay the
 plainest correct code, because every faster kernel is judged against it.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +26,10 @@ class _Group:
     token_index: torch.Tensor  # [B, max_q] flat token index of each (row, query) slot
     block_tables: torch.Tensor  # [B, blocks needed by the longest row]
     mask: torch.Tensor  # [B, 1, max_q, max_context] bool, True = may attend
+    # Each slot's position ([B, 1, max_q, 1]) and the key positions ([max_context]), from
+    # which a sliding window's mask is made once per step and window size.
+    q_pos: torch.Tensor
+    key_pos: torch.Tensor
     # Where the valid slots' outputs go among the batch's tokens, and where they are among
     # the group's B * max_q slots: found once per step, not once per layer.
     dest: torch.Tensor
@@ -33,6 +37,14 @@ class _Group:
     # The group is the whole batch, every row the same length and in order (all decodes,
     # or one prefill chunk): its slots are the tokens themselves, nothing to gather.
     whole: bool
+    windowed: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        if window is None:
+            return self.mask
+        if window not in self.windowed:
+            self.windowed[window] = self.mask & (self.key_pos > self.q_pos - window)
+        return self.windowed[window]
 
 
 @dataclass
@@ -42,6 +54,7 @@ class TorchRefPlan:
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
+    supports_window = True
 
     def plan(self, batch: Batch) -> TorchRefPlan:
         decodes = [i for i, q in enumerate(batch.query_lens) if q == 1]
@@ -59,6 +72,7 @@ class TorchRefBackend(AttentionBackend):
         batch: Batch,
         plan: TorchRefPlan,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = None if plan.groups[0].whole else q.new_empty(q.shape)
@@ -68,7 +82,7 @@ class TorchRefBackend(AttentionBackend):
                 queries = q.reshape(rows, max_q, *q.shape[1:])
             else:
                 queries = q[g.token_index]  # [B, max_q, n_heads, head_dim]
-            attn = self.attend(queries, k_cache, v_cache, g, plan, scale)
+            attn = self.attend(queries, k_cache, v_cache, g, plan, scale, window)
             if g.whole:
                 return attn.reshape(q.shape)
             out[g.dest] = attn.flatten(0, 1)[g.src]
@@ -82,19 +96,21 @@ class TorchRefBackend(AttentionBackend):
         group: _Group,
         plan: TorchRefPlan,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         """One group's attention: queries [B, max_q, n_heads, head_dim], the same out."""
         rows = queries.shape[0]
         n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
         keys = k_cache[group.block_tables].view(rows, -1, n_kv, head_dim)
         values = v_cache[group.block_tables].view(rows, -1, n_kv, head_dim)
+        mask = group.mask_for(window)
         if queries.shape[1] == 1:
-            return _decode_attention(queries, keys, values, group.mask, scale)
+            return _decode_attention(queries, keys, values, mask, scale)
         return F.scaled_dot_product_attention(
             queries.transpose(1, 2),
             keys.transpose(1, 2).to(queries.dtype),
             values.transpose(1, 2).to(queries.dtype),
-            attn_mask=group.mask,
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         ).transpose(1, 2)
@@ -141,13 +157,11 @@ def _plan_group(batch: Batch, rows: list[int]) -> _Group:
     starts = batch.query_start_loc[rows_t]
     token_index = torch.where(valid, starts[:, None] + cols[None, :], starts[:, None])
 
-    # A query at position p sees keys 0..p; padding queries see the whole context so that
-    # no softmax row is empty (their outputs are discarded).
-    q_pos = (ctx_lens - q_lens)[:, None] + cols[None, :]
+    # A query at position p sees keys 0..p; padding queries take the last position's keys
+    # so that no softmax row is empty (their outputs are discarded).
+    q_pos = torch.minimum((ctx_lens - q_lens)[:, None] + cols[None, :], ctx_lens[:, None] - 1)
     keys = torch.arange(n_blocks * batch.block_size, device=device)
-    mask = (keys[None, None, :] <= q_pos[:, :, None]) & (
-        keys[None, None, :] < ctx_lens[:, None, None]
-    )
+    mask = keys[None, None, :] <= q_pos[:, :, None]
     num_tokens = batch.input_ids.shape[0]
     whole = len(rows) * max_q == num_tokens and all(
         batch.query_lens[r] == max_q for r in rows
@@ -156,6 +170,8 @@ def _plan_group(batch: Batch, rows: list[int]) -> _Group:
         token_index=token_index,
         block_tables=batch.block_tables[rows_t, :n_blocks],
         mask=mask.unsqueeze(1),
+        q_pos=q_pos[:, None, :, None],
+        key_pos=keys,
         dest=token_index[valid],
         src=valid.flatten().nonzero().squeeze(1),
         whole=whole,

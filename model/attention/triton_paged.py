@@ -93,6 +93,7 @@ class TritonPagedBackend(AttentionBackend):
         batch: Batch,
         plan: TritonPagedPlan,
         scale: float,
+        window: int | None = None,  # never set: supports_window is False
     ) -> torch.Tensor:
         q = q.contiguous()
         kv_write(k.contiguous(), v.contiguous(), k_cache, v_cache, batch.slot_mapping)

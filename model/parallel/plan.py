@@ -21,6 +21,8 @@ import torch
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 
+_KV_ROWS = tuple(f"self_attn.{p}_proj.{kind}" for p in "kv" for kind in ("weight", "bias"))
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -84,10 +86,10 @@ class TensorParallel:
         """This rank's part of the HF-named tensor `name` (HF layout: [out, in]). `tensor`
         may also be a lazy slice that reads only what it is indexed with (safetensors')."""
         n, r, hd = self.size, self.rank, config.head_dim
-        if name.endswith("self_attn.q_proj.weight"):
+        if name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             per_rank = config.q_size // n
             return tensor[r * per_rank : (r + 1) * per_rank]
-        if name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight")):
+        if name.endswith(_KV_ROWS):
             first, end = self.kv_heads(config)
             return tensor[first * hd : end * hd]
         if name.endswith("self_attn.o_proj.weight"):
@@ -106,7 +108,7 @@ class TensorParallel:
                 pad = rows.new_zeros(end - start - rows.shape[0], rows.shape[1])
                 rows = torch.cat([rows, pad])
             return rows
-        return tensor[:]  # norms: every rank holds them whole
+        return tensor[:]  # norms (per-head Q/K norms too): every rank holds them whole
 
     def cut(self, config: ModelConfig) -> Any:
         """`shard` as a reader's per-tensor cut: (name, tensor or lazy slice) -> shard."""

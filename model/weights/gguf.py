@@ -1,10 +1,11 @@
-"""Streams the weights of a llama GGUF file as HF-named tensors in the HF RoPE layout,
+"""Streams the weights of a GGUF file as HF-named tensors in the HF RoPE layout,
 dequantised to the compute dtype.
 
-llama.cpp's converter reorders the rows of attn_q/attn_k so that it can rotate adjacent
-pairs (2i, 2i+1); we rotate halves (i, i + d/2), so those rows are put back here. K must
-be un-permuted with n_kv_heads, not n_heads: with GQA the two differ, and the mistake
-gives no error, only wrong text.
+For `llama` files llama.cpp's converter reorders the rows of attn_q/attn_k so that it can
+rotate adjacent pairs (2i, 2i+1); we rotate halves (i, i + d/2), so those rows are put
+back here. K must be un-permuted with n_kv_heads, not n_heads: with GQA the two differ,
+and the mistake gives no error, only wrong text. Families llama.cpp rotates NeoX-style
+(Qwen) are stored in HF's order and left as they are.
 """
 
 import re
@@ -14,6 +15,7 @@ import torch
 
 from model.config import ModelConfig
 from model.errors import ModelFileError
+from model.families import FAMILIES
 from model.weights.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
 from model.weights.gguf_file import GGUFFile
 
@@ -27,13 +29,15 @@ _LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.weight")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp may store that the network does not use.
 _IGNORED = {"rope_freqs.weight"}
 
@@ -43,7 +47,7 @@ def hf_name(gguf_name: str) -> str | None:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.weight"
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -57,6 +61,7 @@ def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 def iter_gguf_weights(
     gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = FAMILIES[config.architecture].gguf_permutes_qk
     for tensor in gguf.tensors:
         if tensor.name in _IGNORED:
             continue
@@ -69,9 +74,9 @@ def iter_gguf_weights(
             weight = dequantize(raw, tensor.tensor_type, shape, dtype)
         except UnsupportedQuantType as exc:
             raise ModelFileError(f"{gguf.path}: tensor {tensor.name}: {exc}") from None
-        if tensor.name.endswith("attn_q.weight"):
+        if permuted and tensor.name.endswith("attn_q.weight"):
             weight = interleaved_to_halves(weight, config.n_heads)
-        elif tensor.name.endswith("attn_k.weight"):
+        elif permuted and tensor.name.endswith("attn_k.weight"):
             weight = interleaved_to_halves(weight, config.n_kv_heads)
         yield name, weight
 

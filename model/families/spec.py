@@ -1,0 +1,31 @@
+"""`Family`: what sets one architecture's checkpoints apart from Llama's, stated once.
+
+A family names the HF `model_type`s and the GGUF `general.architecture` it reads, and
+turns the family-specific fields of a config into `ModelConfig` fields; the layer itself
+reads those fields (model/llama.py). Families never touch tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Fields = dict[str, Any]
+
+
+def _no_fields(cfg: dict[str, Any], source: str) -> Fields:
+    return {}
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    hf_model_types: tuple[str, ...]
+    # llama.cpp's converter reorders Q/K rows into interleaved pairs for the architectures
+    # its graph rotates that way (`llama`); the NeoX-style ones (Qwen, Gemma) keep HF's halves.
+    gguf_permutes_qk: bool
+    # Extra `ModelConfig` fields from an HF config.json, refusing what the family cannot run.
+    hf_fields: Callable[[dict[str, Any], str], Fields] = _no_fields
+    # The same from GGUF metadata, keys already stripped of the "<arch>." prefix.
+    gguf_fields: Callable[[dict[str, Any], str], Fields] = _no_fields

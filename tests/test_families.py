@@ -1,0 +1,115 @@
+"""Each family beside Llama (Qwen2's Q/K/V bias, Qwen3's per-head Q/K norms, Mistral's
+sliding window) on tiny random checkpoints written by `transformers`: read from the
+safetensors directory and from a GGUF of the same weights, its logits equal
+`transformers`' in float32 on every CPU backend, and greedy output through the engine is
+the same alone, crowded, chunked and after preemption."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from model.batch import Batch
+from model.greedy import greedy_tokens
+from model.loader import load_model
+from model.paged_cache import PagedKVCache
+from scheduler.config import EngineConfig
+from scheduler.engine_factory import create_engine
+from scheduler.request import SamplingParams
+from tests.engine_driver import run_engine
+from tests.tiny_families import make_tiny, write_gguf
+
+BLOCK = 4
+# Mistral with a window far shorter than the prompts, so that the window matters.
+CHECKPOINTS = {
+    "qwen2": ("qwen2", {}),
+    "qwen3": ("qwen3", {}),
+    "mistral": ("mistral", {}),
+    "mistral_window": ("mistral", {"sliding_window": 6}),
+}
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path, Path]:
+    family, overrides = CHECKPOINTS[request.param]
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = make_tiny(family, directory, **overrides)
+    gguf = write_gguf(hf, family, directory, directory / "tiny.gguf")
+    return request.param, hf, directory, gguf
+
+
+def prompts(n: int = 6, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 512, (length,), generator=g).tolist()
+        for length in (1, 5, 16, 29, 40, 61)[:n]
+    ]
+
+
+def hf_logits(hf: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([ids])).logits[0].float()
+
+
+def test_the_gguf_writer_agrees_with_transformers(checkpoint) -> None:
+    """transformers reads the GGUF back to the same logits: the file is what llama.cpp's
+    converter would write, not something only llamaserve reads."""
+    name, hf, directory, gguf = checkpoint
+    if name == "mistral_window":
+        pytest.skip("transformers' GGUF reader drops the sliding window")
+    back = AutoModelForCausalLM.from_pretrained(directory, gguf_file=gguf.name, dtype=torch.float32)
+    ids = prompts()[-1]
+    assert (hf_logits(back.eval(), ids) - hf_logits(hf, ids)).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "cpu_paged"])
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_logits_match_transformers(checkpoint, source, backend) -> None:
+    name, hf, directory, gguf = checkpoint
+    loaded = load_model(
+        directory if source == "safetensors" else gguf,
+        dtype=torch.float32,
+        progress=False,
+        attention_backend=backend,
+    )
+    for ids in prompts():
+        cache = PagedKVCache.allocate(loaded.model.config, 64, BLOCK)
+        table = list(range(-(-len(ids) // BLOCK)))
+        batch = Batch.build([ids], [0], [table], BLOCK, "cpu", all_logits=True)
+        got = loaded.model(batch, cache)
+        assert (got - hf_logits(hf, ids)).abs().max().item() < 1e-4, (name, len(ids))
+
+
+def test_the_window_is_what_makes_mistral_window_differ(checkpoint, tmp_path) -> None:
+    """Without its window the same weights give other logits: the test above can fail."""
+    name, hf, directory, _ = checkpoint
+    if name != "mistral_window":
+        pytest.skip("one checkpoint has a window")
+    whole = make_tiny("mistral", tmp_path)  # the same seed, so the same weights
+    ids = prompts()[-1]
+    assert (hf_logits(whole, ids) - hf_logits(hf, ids)).abs().max().item() > 1e-2
+
+
+def test_greedy_output_is_batch_invariant(checkpoint) -> None:
+    name, _, directory, gguf = checkpoint
+    loaded = load_model(gguf, dtype=torch.float32, progress=False)
+    texts = prompts(6, seed=3) + prompts(6, seed=4)
+    stop = loaded.tokenizer.stop_ids
+    c = loaded.model.config
+    token_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
+    alone = [list(greedy_tokens(loaded.model, ids, 16, stop)) for ids in texts]
+    scenarios = {
+        "crowded": {},
+        "chunked_prefill": {"max_num_batched_tokens": 7},
+        # Room for about a third of the requests' 500 tokens at once.
+        "preemption": {"kv_cache_memory": 160 * token_bytes},
+    }
+    for scenario, kwargs in scenarios.items():
+        engine = create_engine(loaded.model, loaded.tokenizer, EngineConfig(**kwargs))
+        params = SamplingParams(max_tokens=16, temperature=0.0)
+        requests = {f"r{i}": (ids, params) for i, ids in enumerate(texts)}
+        results, preemptions = run_engine(engine, requests)
+        assert preemptions > 0 or scenario != "preemption"
+        for i in range(len(texts)):
+            assert results[(f"r{i}", 0)].token_ids == alone[i], (name, scenario, i)
