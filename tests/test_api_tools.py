@@ -107,6 +107,62 @@ def test_enforced_calls_validate_and_stream_exactly(live_server, model, choice):
         ]
 
 
+@pytest.mark.parametrize(
+    "tools, choice",
+    [
+        (TOOLS[:1], "required"),  # one tool: the grammar allows only its name
+        (TOOLS, {"type": "function", "function": {"name": "get_weather"}}),
+    ],
+    ids=["required", "named"],
+)
+def test_forced_call_cut_by_max_tokens_is_a_call_with_its_arguments_so_far(
+    live_server, model, tools, choice
+):
+    # Greedy: each cut answer is the start of the whole one. 8 tokens end inside the call's
+    # head (before its arguments), 20 inside its arguments.
+    request = dict(model=model, messages=MESSAGES, tools=tools, tool_choice=choice,
+                   temperature=0.0, parallel_tool_calls=False)  # fmt: skip
+    cuts = [8, 20]
+
+    async def run():
+        async with openai.AsyncOpenAI(
+            base_url=live_server.v1, api_key="x", max_retries=0, timeout=120
+        ) as c:
+
+            async def streamed(max_tokens: int) -> list:
+                return [chunk async for chunk in await c.chat.completions.create(
+                    **request, max_tokens=max_tokens, stream=True)]  # fmt: skip
+
+            wholes = [c.chat.completions.create(**request, max_tokens=n) for n in [80, *cuts]]
+            return await asyncio.gather(*wholes, *(streamed(n) for n in cuts))
+
+    full, *results = asyncio.run(run())
+    (full_call,) = full.choices[0].message.tool_calls
+    assert full.choices[0].finish_reason == "tool_calls"
+    jsonschema.validate(json.loads(full_call.function.arguments), WEATHER)
+    for whole, chunks, arguments_begun in zip(
+        results[: len(cuts)], results[len(cuts) :], [False, True], strict=True
+    ):
+        choice_ = whole.choices[0]
+        assert choice_.finish_reason == "length" and choice_.message.content is None
+        (call,) = choice_.message.tool_calls
+        assert call.id.startswith("call_") and call.type == "function"
+        assert call.function.name == "get_weather"
+        arguments = call.function.arguments
+        assert full_call.function.arguments.startswith(arguments)
+        assert bool(arguments) == arguments_begun and arguments != full_call.function.arguments
+        assert not any(
+            "<tool_call>" in (chunk.choices[0].delta.content or "")
+            for chunk in chunks
+            if chunk.choices
+        )
+        streamed_calls, finish = collect_stream(chunks)
+        assert finish == "length"
+        assert [(c["name"], c["arguments"]) for c in streamed_calls.values()] == [
+            ("get_weather", arguments)
+        ]
+
+
 def test_none_never_calls_and_leaves_tools_out_of_the_prompt(client, model):
     plain = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=8, seed=1)
     reply = client.chat.completions.create(

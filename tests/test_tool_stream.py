@@ -10,7 +10,13 @@ import random
 import pytest
 
 from server.routes.protocol import ChatCompletionRequest
-from server.structured.tool_calls import HERMES, LLAMA3_JSON, parse_tool_calls, tool_plan
+from server.structured.tool_calls import (
+    HERMES,
+    LLAMA3_JSON,
+    ParsedCall,
+    parse_tool_calls,
+    tool_plan,
+)
 from server.structured.tool_stream import ToolCallStream
 
 TOOLS = [
@@ -87,9 +93,50 @@ def test_enforced_arguments_stream_before_the_call_ends():
     }
 
 
-def test_enforced_answer_cut_by_length_keeps_its_text():
-    stream = ToolCallStream(plan(tool_choice="required"))
-    assert stream.feed('<tool_call>\n{"na', final=True) == [{"content": '<tool_call>\n{"na'}]
+@pytest.mark.parametrize(
+    "text, choice",
+    [(ADD, "required"), (ADD + "\n" + FIND, "required"),
+     (FIND, {"type": "function", "function": {"name": "find"}})],
+    ids=["required", "parallel", "named"],
+)  # fmt: skip
+def test_enforced_answer_cut_anywhere_is_calls_streamed_as_whole(text, choice):
+    # max_tokens can stop a forced answer after any character: the calls so far, the last
+    # with the arguments written so far, and no markup, the same whole and streamed.
+    tp = plan(tool_choice=choice)
+    wholes = parse_tool_calls(text, tp)[1]
+    for cut in range(1, len(text) + 1):
+        content, calls = parse_tool_calls(text[:cut], tp)
+        assert content is None and 1 <= len(calls) <= len(wholes)
+        assert calls[:-1] == wholes[: len(calls) - 1]
+        last, whole = calls[-1], wholes[len(calls) - 1]
+        assert last.name in ("", whole.name) and whole.arguments.startswith(last.arguments)
+        streamed_content, streamed = replay(text[:cut], tp, random.Random(cut))
+        assert streamed_content == ""
+        assert streamed == [{"name": c.name, "arguments": c.arguments} for c in calls]
+
+
+@pytest.mark.parametrize(
+    "text, choice, name",
+    [
+        ("<tool", {"type": "function", "function": {"name": "find"}}, "find"),
+        ('<tool_call>\n{"name": "a', "required", "add"),  # only one tool's name fits
+        ('<tool_call>\n{"na', "required", ""),  # two fit: the name written so far
+        ('<tool_call>\n{"name": "add", "argu', "required", "add"),
+    ],
+    ids=["named", "one_fits", "two_fit", "name_whole"],
+)
+def test_enforced_call_cut_before_its_arguments_is_named(text, choice, name):
+    tp = plan(tool_choice=choice)
+    assert parse_tool_calls(text, tp) == (None, [ParsedCall(name, "")])
+    header = ToolCallStream(tp).feed(text, final=True)
+    assert [d["tool_calls"][0]["function"] for d in header] == [{"name": name, "arguments": ""}]
+
+
+def test_enforced_call_cut_in_its_closing_tag_is_whole():
+    tp = plan(tool_choice="required")
+    for cut in (ADD.index("}}") + 1, ADD.index("</tool") + 3):
+        calls = parse_tool_calls(ADD[:cut], tp)[1]
+        assert calls == parse_tool_calls(ADD, tp)[1]
 
 
 def test_llama3_json_stream():

@@ -1,7 +1,9 @@
 """`POST /v1/chat/completions`: messages rendered with the model's chat template, then
 generated like a completion; streamed as role, content deltas (or tool-call deltas),
 finish, usage, [DONE]. Tool calls in the answer become `tool_calls` with
-`finish_reason: "tool_calls"` (server/structured/tool_calls.py, server/structured/tool_stream.py).
+`finish_reason: "tool_calls"` (server/structured/tool_calls.py, server/structured/tool_stream.py);
+a forced call that max_tokens cut short is still a call, with the arguments written so far
+and `finish_reason: "length"`.
 
 It never touches the engine's state: it admits, reads its request's outputs and
 renders them.

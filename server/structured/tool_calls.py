@@ -7,7 +7,9 @@ A call's `arguments` is always the exact text the model wrote for them (never
 re-serialised), so a streamed answer's argument fragments and a whole answer's
 arguments are the same string. Text is only taken for a call when it is a complete call
 in the format's own syntax naming a known tool; a reply that merely contains `{` stays
-content.
+content. Under `required` or a named function the grammar allows nothing but calls, so an
+answer cut short (by max_tokens) is calls too, the last one holding the arguments written
+so far (`forced_calls`), as OpenAI returns it.
 """
 
 from __future__ import annotations
@@ -145,7 +147,15 @@ def tool_grammar(plan: ToolPlan) -> str:
 
 def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]]:
     """(content, calls) of a finished answer. Only complete, well-formed calls to known
-    tools are calls; everything else is content."""
+    tools are calls; everything else is content, except in a forced answer that stopped
+    inside a call: it is all calls (`forced_calls`), never the format's markup."""
+    content, calls = _complete_calls(text, plan)
+    if plan.enforced and text and (content is not None or not calls):
+        return None, forced_calls(text, plan)
+    return content, calls
+
+
+def _complete_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[ParsedCall]]:
     fmt = plan.format
     if not fmt.open_tag:
         call = _parse_call(text, 0, plan)
@@ -175,6 +185,58 @@ def parse_tool_calls(text: str, plan: ToolPlan) -> tuple[str | None, list[Parsed
     if not calls:
         return text, []
     return rest or None, calls
+
+
+def call_head(fmt: ToolCallFormat) -> re.Pattern[str]:
+    """A call up to where its arguments begin, in the grammar's exact layout; group 1 is
+    the name."""
+    return re.compile(
+        re.escape(fmt.open_tag) + r'\{"name": "([^"]*)", "' + re.escape(fmt.args_key) + '": '
+    )
+
+
+def forced_calls(text: str, plan: ToolPlan) -> list[ParsedCall]:
+    """The calls of a forced answer (`required` or a named function), the last one cut
+    short where generation stopped: its `arguments` are the text written so far, an
+    incomplete JSON object, as OpenAI returns a call cut by max_tokens (with
+    `finish_reason: "length"`). The grammar's layout is exact, so the text is calls in it,
+    one after another, and nothing else."""
+    fmt, pos, calls = plan.format, 0, []
+    head = call_head(fmt)
+    between = "}" + fmt.close_tag + "\n"  # one call's end and the next one's start
+    while (match := head.match(text, pos)) is not None:
+        end = _json_end(text, match.end())
+        calls.append(ParsedCall(match.group(1), text[match.end() : end]))
+        if end == len(text) or between.startswith(text[end:]):
+            return calls  # cut inside the arguments, or (at most) in the closing tag
+        pos = end + len(between)
+    if text[pos:]:
+        calls.append(ParsedCall(_cut_name(text[pos:], plan), ""))
+    return calls
+
+
+def _cut_name(text: str, plan: ToolPlan) -> str:
+    """The name of a call cut short before its arguments began. OpenAI always names a
+    call with a whole function name, so when only one name fits what was written (a
+    named function, a single tool, or a prefix only one tool's name has) that name is the
+    call's, as the grammar would have finished it. When several still fit, the text
+    written so far (possibly empty) is the name: a whole one would claim a choice the
+    model had not made, and leaving the call out would answer a forced call with none."""
+    opening = plan.format.open_tag + '{"name": "'
+    written, closed, _ = text[len(opening) :].partition('"')
+    if closed:
+        return written
+    allowed = [t.function.name for t in plan.tools if plan.function in (None, t.function.name)]
+    fitting = [name for name in allowed if name.startswith(written)]
+    return fitting[0] if len(fitting) == 1 else written
+
+
+def _json_end(text: str, start: int) -> int:
+    """Where the JSON value at text[start] ends; the end of the text when it is cut."""
+    try:
+        return _DECODER.raw_decode(text, start)[1]
+    except ValueError:
+        return len(text)
 
 
 def _parse_call(text: str, start: int, plan: ToolPlan) -> tuple[ParsedCall, int] | None:

@@ -4,18 +4,26 @@ answer would carry (the text the model wrote, never re-serialised).
 
 When the grammar enforces the calls (`required`, a named function), the output can only be
 calls, so arguments stream as they are generated, cut exactly where their JSON object
-closes. With `auto` nothing is known until a call is complete: text streams as content,
-holding back what could be the start of a call tag, and a call is sent once its closing
-tag arrives and it parsed as a call to a known tool; anything else goes out as content.
+closes; an answer that ends inside a call (max_tokens) ends with that call as far as it
+got, named before its arguments began as `forced_calls` names it, never with markup.
+With `auto` nothing is known until a call is complete: text streams as content, holding
+back what could be the start of a call tag, and a call is sent once its closing tag
+arrives and it parsed as a call to a known tool; anything else goes out as content.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
-from server.structured.tool_calls import ParsedCall, ToolPlan, new_call_id, parse_tool_calls
+from server.structured.tool_calls import (
+    ParsedCall,
+    ToolPlan,
+    call_head,
+    forced_calls,
+    new_call_id,
+    parse_tool_calls,
+)
 
 
 @dataclass
@@ -35,23 +43,15 @@ class ToolCallStream:
         self.num_calls = 0
         self._pos = 0  # text before this is sent (as content or as calls)
         self._open: _OpenCall | None = None
-        self._head = re.compile(
-            re.escape(fmt.open_tag) + r'\{"name": "([^"]*)", "' + re.escape(fmt.args_key) + '": '
-        )
+        self._head = call_head(fmt)
         self._tag = fmt.open_tag.strip()
-        # What follows a call's arguments: the call object's brace and the closing tag.
-        self._tail = re.compile(r"\s*\}\s*" + re.escape(fmt.close_tag.strip()) + r"\s*")
         self._plain = False  # Meta's JSON format: the answer is plainly not a call
 
     def feed(self, new_text: str, final: bool = False) -> list[dict[str, Any]]:
         """Chat-completion deltas for `new_text`; `final` flushes what was held back."""
         self.text += new_text
         if self.plan.enforced:
-            deltas = self._enforced()
-            rest = self.text[self._pos :]
-            if final and self._open is None and rest.strip() and not self._tail.fullmatch(rest):
-                deltas.append({"content": rest})  # cut short (by length) before a name
-            return deltas
+            return self._enforced() + (self._cut_short() if final else [])
         return self._auto(final)
 
     # ---- enforced: the output is calls only, in the grammar's exact layout ------------
@@ -75,6 +75,18 @@ class ToolCallStream:
                 return deltas
             self._pos, self._open = end, None
             self.num_calls += 1
+
+    def _cut_short(self) -> list[dict[str, Any]]:
+        """At the end: a call whose arguments had begun was sent as far as it got; one cut
+        before them is sent now, named and with the arguments `forced_calls` gives it."""
+        if self._open is not None:
+            self._open = None
+            self.num_calls += 1
+            return []
+        deltas: list[dict[str, Any]] = []
+        for call in forced_calls(self.text, self.plan)[self.num_calls :]:
+            deltas += self._whole_call(call)
+        return deltas
 
     # ---- auto: content, with calls recognised once complete ---------------------------
 
@@ -123,7 +135,9 @@ class ToolCallStream:
     # ---- delta shapes -----------------------------------------------------------------
 
     def _whole_call(self, call: ParsedCall) -> list[dict[str, Any]]:
-        deltas = [self._call_header(call.name), self._arguments(call.arguments)]
+        deltas = [self._call_header(call.name)]
+        if call.arguments:
+            deltas.append(self._arguments(call.arguments))
         self.num_calls += 1
         return deltas
 
