@@ -34,14 +34,9 @@ from model.heap import return_free_heap
 from model.llama import Llama
 from model.native.ops import NativeRmsNorm
 from model.parallel.plan import TensorParallel
-from model.presets import preset_config
 from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import llama3_chat_format
-from model.text.llama3_tokenizer import (
-    bundled_tokenizer_path,
-    llama3_byte_tokenizer,
-    llama3_tokenizer,
-)
+from model.text.llama3_tokenizer import llama3_tokenizer
 from model.text.tokenizer import Tokenizer
 from model.text.tokenizer_files import tokenizer_from_gguf, tokenizer_from_hf_dir
 from model.weight_format import WeightFormat, choose_head_int8, resolve_weight_format
@@ -61,6 +56,7 @@ from model.weights.meta import (
     iter_meta_weights,
     open_meta_checkpoint,
 )
+from model.weights.pypi_models import resolve_model_path
 from model.weights.safetensors import count_tensors, iter_safetensors, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -93,7 +89,7 @@ def load_model(
     under tensor parallelism (`tp`: this rank's shard only), where every rank must pick
     the same format without talking: float32 on a CPU, bfloat16 on CUDA, unquantised."""
     started = time.perf_counter()
-    path = Path(path) if path is not None else default_model_path()
+    path = resolve_model_path(path) if path is not None else default_model_path()
     presharded = False  # weights read as this rank's shards already
     head_exact_in_int8 = False  # the output weight is stored in a type int8 holds exactly
     if path.is_dir() and (path / "config.json").is_file():
@@ -155,7 +151,7 @@ def load_model(
     if tp is not None:
         tp.check(config)
         dtype, quantization = tp.same_format_on_every_rank(dtype, quantization, device)
-    fmt = _weight_format(dtype, quantization, config, device, checkpoint_bits, batch_invariant)
+    fmt = weight_format_for(dtype, quantization, config, device, checkpoint_bits, batch_invariant)
     head_int8 = tp is None and choose_head_int8(
         config, fmt, head_exact_in_int8, torch.device(device)
     )
@@ -180,7 +176,7 @@ def load_model(
     finally:
         torch.set_num_threads(threads)
     model.eval()
-    _use_kernels(model, attention_backend, device)
+    use_kernels(model, attention_backend, device)
     return_free_heap()
     logger.info(
         "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
@@ -194,7 +190,7 @@ def load_model(
     return LoadedModel(name, path, config, model, tokenizer, template)
 
 
-def _weight_format(
+def weight_format_for(
     dtype: torch.dtype | str,
     quantization: str | None,
     config: ModelConfig,
@@ -225,7 +221,7 @@ def resolve_device(name: str) -> str:
 def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
     """The model's shapes, read without its weights or tokenizer, for checks that should
     fail before anything heavy starts; None when `path` is no model (load_model says why)."""
-    path = Path(path) if path is not None else default_model_path()
+    path = resolve_model_path(path) if path is not None else default_model_path()
     if path.is_dir() and (path / "config.json").is_file():
         return ModelConfig.from_hf_dir(path)
     if path.is_dir() and (path / "params.json").is_file():
@@ -240,7 +236,7 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
     return None
 
 
-def _use_kernels(model: Llama, attention_backend: str, device: str) -> None:
+def use_kernels(model: Llama, attention_backend: str, device: str) -> None:
     """The attention backend, and with the CPU's C attention the C RMSNorm and decoder
     layers too: all come from one library, and `--attention-backend torch_ref` keeps the
     whole forward in plain PyTorch, the reference."""
@@ -264,7 +260,7 @@ def default_model_path_or_none() -> Path | None:
         return None
 
 
-def _read_llama3_tokenizer(file: Path) -> Tokenizer:
+def read_llama3_tokenizer(file: Path) -> Tokenizer:
     try:
         return llama3_tokenizer(file)
     except TokenizerError as exc:  # its message already names the file
@@ -275,61 +271,10 @@ def _meta_tokenizer(path: Path, config: ModelConfig) -> Tokenizer:
     file = path / "tokenizer.model"
     if not file.is_file():
         raise ModelFileError(f"{path}: Meta checkpoint has no tokenizer.model")
-    tokenizer = _read_llama3_tokenizer(file)
+    tokenizer = read_llama3_tokenizer(file)
     if tokenizer.vocab_size > config.vocab_size:
         raise ModelFileError(
             f"{file}: {tokenizer.vocab_size} tokens, more than the model's vocab_size "
             f"{config.vocab_size}"
         )
     return tokenizer
-
-
-def load_random_model(
-    preset: str,
-    device: str = "cpu",
-    dtype: torch.dtype | str = torch.float32,
-    seed: int = 0,
-    tokenizer_path: str | Path | None = None,
-    max_position: int | None = None,
-    quantization: str | None = None,
-    batch_invariant: bool = False,
-    attention_backend: str = "auto",
-    tp: TensorParallel | None = None,
-) -> LoadedModel:
-    """A model of a named published shape (`model.presets`) with random weights, to exercise
-    memory, KV-cache capacity and speed at that scale without its checkpoint.
-
-    The tokenizer is Meta's Llama 3 `tokenizer.model` from `tokenizer_path`, else the copy
-    inside the `llama-models` package when that is installed, else a byte-level stand-in with
-    Llama 3's special tokens (`llama3_byte_tokenizer`). The chat format is Llama 3's."""
-    started = time.perf_counter()
-    config = preset_config(preset)
-    path = Path(tokenizer_path) if tokenizer_path is not None else bundled_tokenizer_path()
-    tokenizer = _read_llama3_tokenizer(path) if path is not None else llama3_byte_tokenizer()
-    if tokenizer.vocab_size > config.vocab_size:
-        raise ModelFileError(
-            f"{path}: {tokenizer.vocab_size} tokens do not fit {preset}'s vocabulary of "
-            f"{config.vocab_size}"
-        )
-    if tp is not None:  # each rank draws its own shard's weights, seeded by its rank
-        tp.check(config)
-        dtype, quantization = tp.same_format_on_every_rank(dtype, quantization, device)
-        seed += tp.rank
-    fmt = _weight_format(dtype, quantization, config, device, None, batch_invariant)
-    model = Llama.random(
-        config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization, tp=tp
-    )
-    _use_kernels(model, attention_backend, device)
-    logger.info(
-        "built %s with random weights: %.1fM parameters, %s on %s, %s attention, in %.1f s "
-        "(tokenizer: %s)",
-        preset,
-        config.num_parameters() / 1e6,
-        fmt.describe(),
-        device,
-        model.attention.name,
-        time.perf_counter() - started,
-        path or "byte-level stand-in",
-    )
-    template = llama3_chat_format(tokenizer)
-    return LoadedModel(f"{preset}-random", Path(preset), config, model, tokenizer, template)

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from model.llama import RMSNorm
+from model.decoder_layer import RMSNorm
 from model.loader import load_model
 from model.native.ops import NativeRmsNorm
 from tests.native_builds import ISAS

@@ -8,7 +8,7 @@ import pytest
 import torch
 from llama_models.sku_list import resolve_model
 
-from model import loader
+from model import random_model
 from model.config import ModelConfig, meta_ffn_dim
 from model.errors import UnsupportedModelError
 from model.greedy import greedy_tokens
@@ -118,27 +118,27 @@ def tiny_preset(monkeypatch):
 
 
 def test_random_model_is_servable_and_seeded(tiny_preset, device):
-    loaded = loader.load_random_model(tiny_preset, device, seed=1)
+    loaded = random_model.load_random_model(tiny_preset, device, seed=1)
     assert loaded.name == "tiny-random" and loaded.config == PRESETS["tiny"]
     assert isinstance(loaded.chat_template, Llama3ChatFormat)
     text = "Hello, world! 中文"
     assert loaded.tokenizer.encode(text) == meta_tokenizer().encode(text, bos=True, eos=False)
     ids = loaded.chat_template.prompt_ids([{"role": "user", "content": "Hi"}], loaded.tokenizer)
     assert len(list(greedy_tokens(loaded.model, ids, 4))) >= 1
-    again = loader.load_random_model(tiny_preset, device, seed=1).model.state_dict()
-    other = loader.load_random_model(tiny_preset, device, seed=2).model.state_dict()
+    again = random_model.load_random_model(tiny_preset, device, seed=1).model.state_dict()
+    other = random_model.load_random_model(tiny_preset, device, seed=2).model.state_dict()
     for name, tensor in loaded.model.state_dict().items():
         assert torch.equal(tensor, again[name]), name
     assert not torch.equal(loaded.model.lm_head.weight, other["lm_head.weight"])
 
 
 def test_random_model_tokenizer_choices(tiny_preset, monkeypatch, tmp_path):
-    explicit = loader.load_random_model(tiny_preset, tokenizer_path=meta_tokenizer_path())
+    explicit = random_model.load_random_model(tiny_preset, tokenizer_path=meta_tokenizer_path())
     assert explicit.tokenizer.encode("tokens") == meta_tokenizer().encode(
         "tokens", bos=True, eos=False
     )
-    monkeypatch.setattr(loader, "bundled_tokenizer_path", lambda: None)
-    fallback = loader.load_random_model(tiny_preset)
+    monkeypatch.setattr(random_model, "bundled_tokenizer_path", lambda: None)
+    fallback = random_model.load_random_model(tiny_preset)
     assert fallback.tokenizer.encode("ab") == [128000, 97, 98]
     assert isinstance(fallback.chat_template, Llama3ChatFormat)
     small = tmp_path / "tokenizer.model"
@@ -146,5 +146,5 @@ def test_random_model_tokenizer_choices(tiny_preset, monkeypatch, tmp_path):
     monkeypatch.setitem(
         PRESETS, "tiny", ModelConfig(**{**vars(PRESETS["tiny"]), "vocab_size": 300})
     )
-    with pytest.raises(loader.ModelFileError, match="do not fit"):
-        loader.load_random_model(tiny_preset, tokenizer_path=small)
+    with pytest.raises(random_model.ModelFileError, match="do not fit"):
+        random_model.load_random_model(tiny_preset, tokenizer_path=small)

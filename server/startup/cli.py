@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="?",
         default=None,
         metavar="MODEL",
-        help="GGUF file or HF directory (default: the bundled model)",
+        help="GGUF file, HF directory or a model name as for --model (default: the bundled model)",
     )
     add_model_flags(serve)
     add_serve_flags(serve)

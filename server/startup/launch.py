@@ -17,8 +17,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from model.errors import UnsupportedModelError
-from model.loader import LoadedModel, load_model, load_random_model, resolve_device
+from model.loader import LoadedModel, load_model, resolve_device
 from model.parallel.plan import TensorParallel
+from model.random_model import load_random_model
 from scheduler.async_engine import AsyncEngine
 from scheduler.engine_factory import create_engine
 from server.api import build_app

@@ -1,0 +1,134 @@
+"""One decoder layer of every supported family: RMSNorm, attention with RoPE (GQA, with
+the Q/K/V bias of Qwen2 and the per-head Q/K norms of Qwen3 where the config has them, a
+sliding window where it sets one) and the SwiGLU FFN, each with a residual add.
+
+A pure function of tensors and one layer's paged cache; Q/K/V and gate/up are fused into
+one matmul each (fewer, larger GEMMs). `Llama` (model/llama.py) stacks these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.attention.base import AttentionBackend
+from model.batch import Batch
+from model.config import ModelConfig
+from model.int4_kernel import NATIVE_INT4_KERNELS
+from model.native.layer import NativeDecoderLayer
+from model.quantized_linear import Int4Linear
+from model.rope import apply_rope
+
+NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        # The same formula in one native call (model/native/ops.py), set by
+        # `Llama.use_native_norm`; it returns None where it does not apply.
+        self.native: NormKernel | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is not None:
+            out = self.native(x, self.weight, self.eps)
+            if out is not None:
+                return out
+        # Normalise in fp32 whatever the model dtype, as the reference implementation does.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.qkv_proj = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=False)
+        # Kept beside the projection rather than in it: quantised projections have no bias.
+        self.qkv_bias = (
+            nn.Parameter(torch.zeros(config.q_size + 2 * config.kv_size))
+            if config.qkv_bias
+            else None
+        )
+        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        self.o_proj = nn.Linear(config.q_size, config.dim, bias=False)
+        self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
+        self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        # Under tensor parallelism O and down hold a slice of their input columns: their
+        # outputs are partial sums the ranks add up (model/parallel/comm.py).
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # The same layer around attention in two native calls (model/native/layer.py),
+        # set by `Llama.use_native_layers` where every part of it fits.
+        self.native: NativeDecoderLayer | None = None
+
+    def has_family_extras(self) -> bool:
+        return self.qkv_bias is not None or self.q_norm is not None
+
+    def use_native(self) -> bool:
+        """Runs around attention in two native calls where every part fits: bf16 norms,
+        every projection on the C int4 kernel, no family extras, no tensor parallelism."""
+        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        fits = (
+            self.reduce is None
+            and not self.has_family_extras()
+            and self.input_layernorm.weight.dtype == torch.bfloat16
+            and all(
+                isinstance(p, Int4Linear) and p.kernel in NATIVE_INT4_KERNELS for p in projections
+            )
+        )
+        self.native = NativeDecoderLayer(self) if fits else None
+        return fits
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        batch: Batch,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        attention: AttentionBackend,
+        plan: object,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        c = self.config
+        scale = c.head_dim**-0.5
+        if (
+            self.native is not None
+            and h.dtype == torch.bfloat16
+            and h.is_contiguous()
+            and rope[0].dtype == torch.float32  # the C layer reads fp32 angles
+        ):
+            decodes = getattr(plan, "decodes", None)  # the C attention's plan of decodes only
+            if decodes is not None:
+                out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale)
+                if out is not None:
+                    return out
+            q, k, v = self.native.attention_input(h, *rope)
+            attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
+            return self.native.attention_output(h, attn)
+        qkv = self.qkv_proj(self.input_layernorm(h))
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        qk, v = qkv.split([c.q_size + c.kv_size, c.kv_size], dim=-1)
+        qk = qk.reshape(-1, c.n_heads + c.n_kv_heads, c.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
+            qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
+        qk = apply_rope(qk, *rope)
+        q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
+        v = v.reshape(-1, c.n_kv_heads, c.head_dim)
+        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
+        out = self.o_proj(attn.reshape(-1, c.q_size))
+        h = h + (self.reduce(out) if self.reduce else out)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        out = self.down_proj(F.silu(gate) * up)
+        return h + (self.reduce(out) if self.reduce else out)

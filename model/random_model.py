@@ -1,0 +1,71 @@
+"""A model of a named published shape (`model.presets`) with random weights: memory,
+KV-cache capacity and speed at that scale without its checkpoint."""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from model.errors import ModelFileError
+from model.llama import Llama
+from model.loader import LoadedModel, read_llama3_tokenizer, use_kernels, weight_format_for
+from model.parallel.plan import TensorParallel
+from model.presets import preset_config
+from model.text.llama3_chat import llama3_chat_format
+from model.text.llama3_tokenizer import bundled_tokenizer_path, llama3_byte_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def load_random_model(
+    preset: str,
+    device: str = "cpu",
+    dtype: torch.dtype | str = torch.float32,
+    seed: int = 0,
+    tokenizer_path: str | Path | None = None,
+    max_position: int | None = None,
+    quantization: str | None = None,
+    batch_invariant: bool = False,
+    attention_backend: str = "auto",
+    tp: TensorParallel | None = None,
+) -> LoadedModel:
+    """A model of a named published shape (`model.presets`) with random weights, to exercise
+    memory, KV-cache capacity and speed at that scale without its checkpoint.
+
+    The tokenizer is Meta's Llama 3 `tokenizer.model` from `tokenizer_path`, else the copy
+    inside the `llama-models` package when that is installed, else a byte-level stand-in with
+    Llama 3's special tokens (`llama3_byte_tokenizer`). The chat format is Llama 3's."""
+    started = time.perf_counter()
+    config = preset_config(preset)
+    path = Path(tokenizer_path) if tokenizer_path is not None else bundled_tokenizer_path()
+    tokenizer = read_llama3_tokenizer(path) if path is not None else llama3_byte_tokenizer()
+    if tokenizer.vocab_size > config.vocab_size:
+        raise ModelFileError(
+            f"{path}: {tokenizer.vocab_size} tokens do not fit {preset}'s vocabulary of "
+            f"{config.vocab_size}"
+        )
+    if tp is not None:  # each rank draws its own shard's weights, seeded by its rank
+        tp.check(config)
+        dtype, quantization = tp.same_format_on_every_rank(dtype, quantization, device)
+        seed += tp.rank
+    fmt = weight_format_for(dtype, quantization, config, device, None, batch_invariant)
+    model = Llama.random(
+        config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization, tp=tp
+    )
+    use_kernels(model, attention_backend, device)
+    logger.info(
+        "built %s with random weights: %.1fM parameters, %s on %s, %s attention, in %.1f s "
+        "(tokenizer: %s)",
+        preset,
+        config.num_parameters() / 1e6,
+        fmt.describe(),
+        device,
+        model.attention.name,
+        time.perf_counter() - started,
+        path or "byte-level stand-in",
+    )
+    template = llama3_chat_format(tokenizer)
+    return LoadedModel(f"{preset}-random", Path(preset), config, model, tokenizer, template)
