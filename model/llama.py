@@ -262,7 +262,7 @@ class Llama(nn.Module):
             if key not in expected:
                 raise ValueError(f"unexpected weight {hf_name} with shape {tuple(tensor.shape)}")
             seen.add(key)
-            if name == "embed_tokens.weight" and "lm_head.weight" in quantized:
+            if name == "embed_tokens.weight" and c.tie_embeddings and "lm_head.weight" in quantized:
                 quantized["lm_head.weight"].load_rows(0, tensor)  # tied: quantised from it
                 if self.embed_from_head:
                     continue

@@ -30,7 +30,7 @@ from model.native.ops import NativeInt4Matmul, NativeInt8Matmul, native_int4_mat
 
 INT4_GROUP = 32
 STAGE_ROWS = 1024
-QUANTIZATIONS = ("int8", "int4", "w4a8")
+QUANTIZATIONS = ("int8", "int8g", "int4", "w4a8")
 
 
 class QuantizedLinear(nn.Module):
@@ -191,20 +191,29 @@ class Int4Linear(QuantizedLinear):
 
 
 class Int8GroupLinear(QuantizedLinear):
-    """Symmetric int8 in groups of 32 input columns, fp32 scales, on the C kernel, with
-    fp32 output: the output projection. It holds GGUF's Q8_0 (most files' embedding and
-    output weights) exactly, and reads half the bytes of a bf16 copy; tied, it is the
-    embedding too (`embed`), so the vocabulary's weights exist once."""
+    """Symmetric int8 in groups of 32 input columns, fp32 scales, on the C kernel. It holds
+    GGUF's Q8_0 exactly and the 4- to 6-bit types within a sixteenth of their own step,
+    and reads half the bytes of a bf16 copy. As the output
+    projection it keeps the kernel's fp32 output (the logits); tied, it is the embedding
+    too (`embed`), so the vocabulary's weights exist once. As a decoder layer ("int8g")
+    its output takes the activations' dtype, the residual stream's."""
 
     staging_dtype = torch.int8
 
-    def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        device: torch.device | str,
+        fp32_output: bool = True,
+    ) -> None:
         if in_features % INT4_GROUP or out_features % 16:
             raise UnsupportedFormatError(
                 f"grouped int8 needs in_features divisible by {INT4_GROUP} and out_features "
                 f"by 16, got [{out_features}, {in_features}]"
             )
         super().__init__(in_features, out_features, device)
+        self.fp32_output = fp32_output
         self._native: NativeInt8Matmul | None = None
         groups = in_features // INT4_GROUP
         self.register_buffer(
@@ -227,6 +236,8 @@ class Int8GroupLinear(QuantizedLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         out = self._native(flat, self.weight_int8, self.scales, self.out_features)
+        if not self.fp32_output:
+            out = out.to(x.dtype)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -245,6 +256,8 @@ def quantized_linear(
     where the CPU has AVX-512 VNNI and less exact."""
     if quantization == "int8":
         return Int8Linear(in_features, out_features, device)
+    if quantization == "int8g":
+        return Int8GroupLinear(in_features, out_features, device, fp32_output=False)
     if quantization == "int4":
         return Int4Linear(in_features, out_features, device, allowed=BF16_ACTIVATION_KERNELS)
     if quantization == "w4a8":

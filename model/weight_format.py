@@ -5,8 +5,9 @@ What is fastest differs from CPU to CPU: with AVX-512 BF16, int4 weights with bf
 activations are several times faster than fp32 at decode batch sizes; on an AVX2-only CPU
 bf16 matrix multiplies run ten times slower than fp32. So nothing is assumed: `auto` times
 each allowed candidate and takes the fastest. It never quantises below the checkpoint's own
-precision on its own (a Q4 GGUF may run as int4, an fp16 checkpoint is not made int4
-unless asked; int8, exact for no GGUF type, only when asked). It must never change
+precision on its own (a Q4 GGUF may run as int4, a Q5/Q6/Q8 one as grouped int8, an
+fp16 checkpoint is not made int4 unless asked; per-row int8, exact for no GGUF type,
+only when asked). It must never change
 weights: the loader applies the choice.
 """
 
@@ -38,12 +39,12 @@ NEAR_TIE = 0.25
 @dataclass(frozen=True)
 class WeightFormat:
     dtype: torch.dtype
-    quantization: str | None = None  # "int8", "int4", "w4a8", or None: weights in `dtype`
+    quantization: str | None = None  # one of QUANTIZATIONS, or None: weights in `dtype`
 
     @property
     def bits_per_weight(self) -> int:
         if self.quantization is not None:
-            return {"int8": 8, "int4": 4, "w4a8": 4}[self.quantization]
+            return {"int8": 8, "int8g": 8, "int4": 4, "w4a8": 4}[self.quantization]
         return torch.finfo(self.dtype).bits
 
     def describe(self) -> str:
@@ -94,8 +95,13 @@ def candidate_formats(
     # faster here, but it loses what the checkpoint never rounded (2 of 10 test prompts'
     # greedy text as float32's against 6 of 10 for int4; like llama-server, it gets the
     # default model's "capital of France" wrong).
+    # Grouped int8 (groups of 32, a scale each) holds Q8_0 exactly, and Q5_0, Q6_K and the
+    # other 4- to 6-bit types within a sixteenth of their own step: what a Q4_K_M file's mix
+    # of Q4_K, Q5_0 and Q6_K layers runs in when timing prefers it to bf16.
     if checkpoint_bits <= 4:
         return [*floats, WeightFormat(torch.bfloat16, "int4")]
+    if checkpoint_bits <= 8:
+        return [*floats, WeightFormat(torch.bfloat16, "int8g")]
     return floats
 
 
@@ -194,7 +200,7 @@ def resolve_weight_format(
 ) -> WeightFormat:
     candidates = candidate_formats(dtype, quantization, checkpoint_bits, device, batch_invariant)
     if not int4_fits(config):
-        int4 = ("int4", "w4a8")
+        int4 = ("int4", "w4a8", "int8g")  # the same groups of 32
         if all(c.quantization in int4 for c in candidates):
             raise UnsupportedFormatError(
                 f"--quantization {candidates[0].quantization} needs layer inputs divisible by "

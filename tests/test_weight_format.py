@@ -23,7 +23,7 @@ from tests.tiny_models import make_tiny_llama
 CPU = torch.device("cpu")
 FP32, BF16 = WeightFormat(torch.float32), WeightFormat(torch.bfloat16)
 INT8, INT4 = WeightFormat(torch.bfloat16, "int8"), WeightFormat(torch.bfloat16, "int4")
-W4A8 = WeightFormat(torch.bfloat16, "w4a8")
+W4A8, INT8G = WeightFormat(torch.bfloat16, "w4a8"), WeightFormat(torch.bfloat16, "int8g")
 
 
 def test_the_fastest_candidate_wins() -> None:
@@ -57,7 +57,9 @@ def test_a_single_candidate_is_not_timed() -> None:
 
 def test_auto_never_quantises_below_the_checkpoint() -> None:
     assert candidate_formats("auto", "auto", None, CPU) == [FP32, BF16]  # float weights
-    assert candidate_formats("auto", "auto", 8, CPU) == [FP32, BF16]  # Q8_0: int8 per row is lossy
+    # Q8_0, Q5_0, Q6_K: int8 per row is lossy, in groups of 32 it holds them.
+    assert candidate_formats("auto", "auto", 8, CPU) == [FP32, BF16, INT8G]
+    assert candidate_formats("auto", "auto", 6, CPU) == [FP32, BF16, INT8G]
     assert candidate_formats("auto", "auto", 4, CPU) == [FP32, BF16, INT4]  # Q4_1: exact in int4
     assert candidate_formats("auto", "int8", 4, CPU) == [INT8]  # asked for
     assert candidate_formats("float32", "auto", 4, CPU) == [FP32]
@@ -113,6 +115,7 @@ def tiny_dir(tmp_path_factory):
 FORMATS = {
     (torch.bfloat16, None): 0.05,
     (torch.bfloat16, "int8"): 0.1,
+    (torch.bfloat16, "int8g"): 0.1,
     (torch.bfloat16, "int4"): 1.0,
     (torch.bfloat16, "w4a8"): 1.0,
     (torch.float32, "int4"): 1.0,
