@@ -47,6 +47,13 @@ class ModelConfig:
     qkv_bias: bool = False  # Qwen2: a bias on the Q, K and V projections
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head
     sliding_window: int | None = None  # Mistral v0.1: attend to the last N positions only
+    # Gemma 3:
+    full_attention_layers: tuple[int, ...] = ()  # layers the window does not apply to
+    rope_local_theta: float | None = None  # the RoPE base of the windowed layers
+    hidden_act: str = "silu"  # or "gelu_tanh": the gated MLP's activation
+    embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(dim))
+    sandwich_norms: bool = False  # an RMSNorm after attention and after the MLP too
+    query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -55,6 +62,12 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise UnsupportedModelError(f"head_dim={self.head_dim} must be even for RoPE")
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, or None where it sees the whole context."""
+        if self.sliding_window is None or layer in self.full_attention_layers:
+            return None
+        return self.sliding_window
 
     @property
     def n_rep(self) -> int:
@@ -72,7 +85,8 @@ class ModelConfig:
     def num_parameters(self) -> int:
         attn = self.dim * (self.q_size + 2 * self.kv_size) + self.q_size * self.dim
         ffn = 3 * self.dim * self.ffn_dim
-        norms = 2 * self.dim + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * self.dim
+        norms += 2 * self.head_dim if self.qk_norm else 0
         attn += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + ffn + norms) + self.dim + embed
@@ -82,7 +96,7 @@ class ModelConfig:
         model_type = cfg.get("model_type", "llama")
         family = family_for_hf(model_type, source)
         extra = family.hf_fields(cfg, source)
-        if cfg.get("hidden_act", "silu") != "silu":
+        if "hidden_act" not in extra and cfg.get("hidden_act", "silu") != "silu":
             raise UnsupportedModelError(f"{source}: unsupported hidden_act {cfg['hidden_act']!r}")
         n_heads = cfg["num_attention_heads"]
         dim = cfg["hidden_size"]
@@ -90,6 +104,9 @@ class ModelConfig:
         # `rope_theta` + `rope_scaling`.
         rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
         theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
+        # A family's own RoPE fields (Gemma 3's per-layer-type bases) replace these.
+        rope = extra.pop("rope", rope)
+        theta = extra.pop("rope_theta", theta)
         return cls(
             dim=dim,
             n_layers=cfg["num_hidden_layers"],

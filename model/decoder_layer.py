@@ -1,6 +1,7 @@
 """One decoder layer of every supported family: RMSNorm, attention with RoPE (GQA, with
 the Q/K/V bias of Qwen2 and the per-head Q/K norms of Qwen3 where the config has them, a
-sliding window where it sets one) and the SwiGLU FFN, each with a residual add.
+sliding window where it sets one) and the gated FFN (SwiGLU, or Gemma's GELU-tanh), each
+with a residual add (normalised first in Gemma 3).
 
 A pure function of tensors and one layer's paged cache; Q/K/V and gate/up are fused into
 one matmul each (fewer, larger GEMMs). `Llama` (model/llama.py) stacks these.
@@ -9,6 +10,7 @@ one matmul each (fewer, larger GEMMs). `Llama` (model/llama.py) stacks these.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -63,6 +65,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
         self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        # Gemma 3 normalises what attention and the MLP add to the residual stream too.
+        sandwich = config.sandwich_norms
+        self.attn_out_norm = RMSNorm(config.dim, config.norm_eps) if sandwich else None
+        self.ffn_out_norm = RMSNorm(config.dim, config.norm_eps) if sandwich else None
+        self.act = F.silu if config.hidden_act == "silu" else partial(F.gelu, approximate="tanh")
         # Under tensor parallelism O and down hold a slice of their input columns: their
         # outputs are partial sums the ranks add up (model/parallel/comm.py).
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -71,7 +78,8 @@ class DecoderLayer(nn.Module):
         self.native: NativeDecoderLayer | None = None
 
     def has_family_extras(self) -> bool:
-        return self.qkv_bias is not None or self.q_norm is not None
+        c = self.config
+        return c.qkv_bias or c.qk_norm or c.sandwich_norms or c.hidden_act != "silu"
 
     def use_native(self) -> bool:
         """Runs around attention in two native calls where every part fits: bf16 norms,
@@ -100,7 +108,7 @@ class DecoderLayer(nn.Module):
         window: int | None = None,
     ) -> torch.Tensor:
         c = self.config
-        scale = c.head_dim**-0.5
+        scale = c.query_scale or c.head_dim**-0.5
         if (
             self.native is not None
             and h.dtype == torch.bfloat16
@@ -127,8 +135,12 @@ class DecoderLayer(nn.Module):
         q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
         attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
-        out = self.o_proj(attn.reshape(-1, c.q_size))
-        h = h + (self.reduce(out) if self.reduce else out)
+        h = h + self._added(self.o_proj(attn.reshape(-1, c.q_size)), self.attn_out_norm)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
-        return h + (self.reduce(out) if self.reduce else out)
+        return h + self._added(self.down_proj(self.act(gate) * up), self.ffn_out_norm)
+
+    def _added(self, out: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """What a sub-block adds to the residual stream: the ranks' partial sums added up,
+        then normalised where the family does that."""
+        out = self.reduce(out) if self.reduce else out
+        return norm(out) if norm is not None else out

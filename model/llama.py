@@ -24,7 +24,7 @@ from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
 from model.quantized_linear import Int8GroupLinear, QuantizedLinear, quantized_linear
-from model.rope import RotaryEmbedding
+from model.rope import rotary_embeddings
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Llama(nn.Module):
         # projection's int8 weight, and embed_tokens keeps no rows.
         self.embed_from_head = False
         self.tie_weights()
-        self.rope = RotaryEmbedding(config, max_position or config.max_position, device)
+        self.rope, self.rope_local = rotary_embeddings(config, max_position, device)
 
     def tie_weights(self) -> None:
         # A quantised output projection is its own packed copy of the embedding.
@@ -145,7 +145,7 @@ class Llama(nn.Module):
             # The int4 kernels take bf16 scales, the int8 one fp32, whatever `dtype`.
             module.to(torch.float32 if isinstance(module, Int8GroupLinear) else torch.bfloat16)
         model.tie_weights()  # materialising gives the tied weight two separate storages
-        model.rope = RotaryEmbedding(config, max_position or config.max_position, device)
+        model.rope, model.rope_local = rotary_embeddings(config, max_position, device)
         return model
 
     @classmethod
@@ -181,15 +181,19 @@ class Llama(nn.Module):
         """Logits [len(batch.logits_indices), vocab] in fp32."""
         if self.before_forward is not None:
             self.before_forward(batch, kv_cache)
-        attention, window = self.attention, self.config.sliding_window
-        if window is not None and not attention.supports_window:
+        c = self.config
+        attention = self.attention
+        if c.sliding_window is not None and not attention.supports_window:
             attention = self._window_reference()
         plan = attention.plan(batch)
         h = self._embed(batch.input_ids)
         rope = self.rope(batch.positions)
+        local_rope = self.rope_local(batch.positions) if self.rope_local is not None else rope
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = kv_cache.layer(i)
-            h = layer(h, batch, rope, attention, plan, k_cache, v_cache, window)
+            window = c.window_of(i)
+            angles = local_rope if window is not None else rope
+            h = layer(h, batch, angles, attention, plan, k_cache, v_cache, window)
         h = self.norm(h[batch.logits_indices])
         logits = self.lm_head(h).float()
         if self.tp:
@@ -209,6 +213,12 @@ class Llama(nn.Module):
         return self._window_backend
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self._lookup(ids)
+        if self.config.embed_scale != 1.0:  # in the embedding's dtype, as Gemma does
+            h = h * torch.tensor(self.config.embed_scale, dtype=h.dtype)
+        return h
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_from_head:
             return self.lm_head.embed(ids, self.norm.weight.dtype)
         if not self.tp:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -30,6 +31,7 @@ from model.errors import (
     UnsupportedFormatError,
     UnsupportedModelError,
 )
+from model.families import FAMILIES
 from model.heap import return_free_heap
 from model.llama import Llama
 from model.native.ops import NativeRmsNorm
@@ -102,8 +104,9 @@ def load_model(
         if tp is not None:  # each rank reads only its own slices from disk
             read_weights = partial(iter_safetensors, files, cut=tp.cut(config))
             presharded = True
+        read_weights = partial(_adapted, read_weights, FAMILIES[config.architecture].adapt_hf)
         checkpoint_bits = None
-        tokenizer = tokenizer_from_hf_dir(path)
+        tokenizer = _named(path, tokenizer_from_hf_dir, path)
         template = ChatTemplate.from_hf_dir(path, tokenizer)
         name = path.name
     elif path.is_dir() and (path / "params.json").is_file():
@@ -135,7 +138,7 @@ def load_model(
         read_weights = partial(iter_gguf_weights, gguf, config)
         checkpoint_bits = linear_weight_bits(gguf)
         head_exact_in_int8 = output_exact_in_int8(gguf)
-        tokenizer = tokenizer_from_gguf(gguf.metadata)
+        tokenizer = _named(path, tokenizer_from_gguf, gguf.metadata)
         template = ChatTemplate.from_gguf_metadata(gguf.metadata, tokenizer)
         name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
     elif path.exists():
@@ -209,6 +212,23 @@ def weight_format_for(
         checkpoint_bits,
         batch_invariant,
     )
+
+
+def _adapted(
+    read: Callable[[torch.dtype], Iterator[tuple[str, torch.Tensor]]],
+    adapt: Callable[[str, torch.Tensor], tuple[str, torch.Tensor]],
+    dtype: torch.dtype,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An HF checkpoint's tensors as its family names and stores them for us."""
+    return (adapt(name, tensor) for name, tensor in read(dtype))
+
+
+def _named(path: Path, read: Callable[[Any], Tokenizer], source: Any) -> Tokenizer:
+    """A tokenizer we cannot reproduce is one sentence naming the file, as all else is."""
+    try:
+        return read(source)
+    except TokenizerError as exc:
+        raise ModelFileError(f"{path}: {exc}") from None
 
 
 def resolve_device(name: str) -> str:

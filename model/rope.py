@@ -5,6 +5,7 @@ Internally llamaserve uses the HF layout: each head rotates its two halves
 into this layout when their Q/K weights are loaded, never here.
 """
 
+import dataclasses
 import math
 
 import torch
@@ -54,3 +55,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
+
+
+def rotary_embeddings(
+    config: ModelConfig, max_position: int | None, device: torch.device | str
+) -> tuple[RotaryEmbedding, RotaryEmbedding | None]:
+    """The RoPE tables of the global layers, and of the windowed ones where their base
+    differs (Gemma 3: 10000 against 1e6, unscaled)."""
+    length = max_position or config.max_position
+    rope = RotaryEmbedding(config, length, device)
+    if config.rope_local_theta is None:
+        return rope, None
+    local = dataclasses.replace(
+        config, rope_theta=config.rope_local_theta, rope_scaling=RopeScaling()
+    )
+    return rope, RotaryEmbedding(local, length, device)

@@ -87,7 +87,18 @@ def test_hf_directory_without_weights(tmp_path):
 def test_unsupported_hf_architecture(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     result = run_cli("generate", "hi", "--model", str(tmp_path))
-    assert_one_clear_sentence(result, "gpt2")
+    assert_one_clear_sentence(result, "gpt2", "'llama', 'qwen2', 'qwen3', 'mistral'")
+
+
+@pytest.mark.parametrize(("field", "value"), [("tokenizer_model", "rwkv"), ("pre", "no-such-pre")])
+def test_unknown_gguf_tokenizer(tmp_path, field, value):
+    """A GGUF whose tokenizer type or pre-tokenizer we cannot reproduce exactly."""
+    from tests.tiny_families import make_tiny, write_gguf
+
+    model = make_tiny("qwen2", tmp_path)
+    path = write_gguf(model, "qwen2", tmp_path, tmp_path / "tiny.gguf", **{field: value})
+    result = run_cli("generate", "hi", "--model", str(path))
+    assert_one_clear_sentence(result, str(path), value)
 
 
 def test_bad_thread_count():

@@ -27,6 +27,7 @@ CHECKPOINTS = {
     "qwen3": ("qwen3", {}),
     "mistral": ("mistral", {}),
     "mistral_window": ("mistral", {"sliding_window": 6}),
+    "gemma3": ("gemma3", {}),
 }
 
 

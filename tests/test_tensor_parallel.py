@@ -54,12 +54,20 @@ def run_ranks(model: str | None, world_size: int, out) -> list[torch.Tensor]:
 
 
 def test_tp2_logits_match_one_process_on_tiny_checkpoints(tmp_path) -> None:
-    """MHA, GQA and MQA (whose one KV head both ranks hold), in one start-up of the ranks."""
+    """MHA, GQA and MQA (whose one KV head both ranks hold), and the families' extras
+    (Qwen2's Q/K/V bias split with its heads, Qwen3's per-head norms held whole, Mistral's
+    window), in one start-up of the ranks."""
+    from tests.tiny_families import make_tiny
+
     paths = []
     for heads in ("mha", "gqa", "mqa"):
         path = tmp_path / heads
         make_tiny_llama(path, heads=heads)
         _write_stub_tokenizer(path)
+        paths.append(str(path))
+    for family, overrides in (("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 6})):
+        path = tmp_path / family
+        make_tiny(family, path, **overrides)
         paths.append(str(path))
     split = run_ranks(",".join(paths), 2, tmp_path / "tp2.pt")
     for path, logits in zip(paths, split, strict=True):

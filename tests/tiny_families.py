@@ -10,6 +10,8 @@ import numpy as np
 import torch
 from gguf import GGUFWriter
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
     Qwen2Config,
@@ -41,9 +43,34 @@ FAMILIES = {
         dict(head_dim=128, num_attention_heads=4, tie_word_embeddings=False),
     ),
     "mistral": (MistralConfig, MistralForCausalLM, dict(sliding_window=None)),
+    # Six layers: the sixth is global, the others windowed, as llama.cpp fixes the pattern.
+    # head_dim 256 as in every Gemma 3: GGUF has no query_pre_attn_scalar, and readers take
+    # head_dim (llama.cpp) or 256 (transformers).
+    "gemma3": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        dict(
+            num_hidden_layers=6,
+            head_dim=256,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            query_pre_attn_scalar=256,
+            sliding_window=8,
+            rope_local_base_freq=10000.0,
+            rope_theta=1_000_000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
 }
 # llama.cpp's converter stores Q/K rows as interleaved pairs for these (Trap 1).
 PERMUTED = {"mistral": "llama"}
+# Gemma's four norms as transformers and llama.cpp name them; llama.cpp stores 1 + w.
+GEMMA_NORMS = {
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
 
 
 def make_tiny(family: str, directory: Path, seed: int = 0, **overrides) -> torch.nn.Module:
@@ -78,14 +105,15 @@ _LAYER = {
 }
 
 
-def _gguf_name(name: str) -> str:
+def _gguf_name(name: str, family: str) -> str:
     name = name.removeprefix("model.")
     glob = {"embed_tokens.weight": "token_embd.weight", "norm.weight": "output_norm.weight"}
     if name in glob or name == "lm_head.weight":
         return glob.get(name, "output.weight")
     _, layer, rest = name.split(".", 2)
     part, kind = rest.rsplit(".", 1)
-    return f"blk.{layer}.{_LAYER[part]}.{kind}"
+    names = {**_LAYER, **GEMMA_NORMS} if family == "gemma3" else _LAYER
+    return f"blk.{layer}.{names[part]}.{kind}"
 
 
 def _interleave(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -97,9 +125,17 @@ def _interleave(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
-def write_gguf(model: torch.nn.Module, family: str, hf_dir: Path, path: Path) -> Path:
+def write_gguf(
+    model: torch.nn.Module,
+    family: str,
+    hf_dir: Path,
+    path: Path,
+    tokenizer_model: str = "gpt2",
+    pre: str = "gpt-2",
+) -> Path:
     """The model's weights as float32 GGUF tensors, its config as `<arch>.*` metadata and
-    the tokenizer of `hf_dir` as a `gpt2` GGUF vocabulary."""
+    the tokenizer of `hf_dir` as a GGUF vocabulary (`gpt2`, byte-level BPE, unless the
+    test names another)."""
     c = model.config
     arch = PERMUTED.get(family, family)
     writer = GGUFWriter(str(path), arch)
@@ -114,15 +150,16 @@ def write_gguf(model: torch.nn.Module, family: str, hf_dir: Path, path: Path) ->
     writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
-    writer.add_rope_freq_base(SHAPE["rope_theta"])
+    rope = c.rope_parameters
+    writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
     if getattr(c, "sliding_window", None):
         writer.add_sliding_window(c.sliding_window)
     spec = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
     specials = {t["id"] for t in spec["added_tokens"] if t["special"]}
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
     merges = spec["model"]["merges"]
@@ -136,7 +173,9 @@ def write_gguf(model: torch.nn.Module, family: str, hf_dir: Path, path: Path) ->
             data = _interleave(data, c.num_attention_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             data = _interleave(data, c.num_key_value_heads)
-        writer.add_tensor(_gguf_name(name), data)
+        elif family == "gemma3" and name.endswith("norm.weight"):
+            data = data + 1
+        writer.add_tensor(_gguf_name(name, family), data)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -3,13 +3,14 @@ from Llama's; a checkpoint of any other architecture is refused in one sentence 
 these."""
 
 from model.errors import UnsupportedModelError
+from model.families.gemma3 import GEMMA3
 from model.families.llama import LLAMA
 from model.families.mistral import MISTRAL
 from model.families.qwen2 import QWEN2
 from model.families.qwen3 import QWEN3
 from model.families.spec import Family
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3)}
 _BY_HF_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 
 

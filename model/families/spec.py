@@ -11,11 +11,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 Fields = dict[str, Any]
 
 
 def _no_fields(cfg: dict[str, Any], source: str) -> Fields:
     return {}
+
+
+def _as_stored(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+    return name, tensor
 
 
 @dataclass(frozen=True)
@@ -29,3 +35,6 @@ class Family:
     hf_fields: Callable[[dict[str, Any], str], Fields] = _no_fields
     # The same from GGUF metadata, keys already stripped of the "<arch>." prefix.
     gguf_fields: Callable[[dict[str, Any], str], Fields] = _no_fields
+    # An HF checkpoint's tensor -> the name and value `Llama.load_weights` takes, where the
+    # family names or stores them differently (Gemma's norms).
+    adapt_hf: Callable[[str, torch.Tensor], tuple[str, torch.Tensor]] = _as_stored

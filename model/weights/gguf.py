@@ -31,6 +31,8 @@ _LAYER_NAMES = {
     "attn_v": "self_attn.v_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "attn_out_norm",  # Gemma 3's norms after attention and the MLP
+    "post_ffw_norm": "ffn_out_norm",
     "attn_output": "self_attn.o_proj",
     "ffn_norm": "post_attention_layernorm",
     "ffn_gate": "mlp.gate_proj",
