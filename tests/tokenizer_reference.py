@@ -10,9 +10,11 @@ test process and shared; callers must not modify them.
 """
 
 import functools
+import json
 import random
 from typing import Any
 
+from tokenizers import Tokenizer as HFBackend
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -167,3 +169,27 @@ def smollm2_hf_tokenizer() -> PreTrainedTokenizerBase:
     hf = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     hf.backend_tokenizer.pre_tokenizer = smollm_pre_tokenizer()
     return hf
+
+
+def gemma3_whitespace_runs_restored(hf: PreTrainedTokenizerBase) -> HFBackend:
+    """transformers' tokenizer for a Gemma 3 GGUF with its whitespace runs made added tokens again.
+
+    Gemma has 30 tokens for runs of 2 to 31 spaces, user-defined in the GGUF (token type 4,
+    spelled with real spaces). llama.cpp matches them whole in the text before any merge, longest
+    first, and so does SentencePiece given the same pieces as user-defined symbols. transformers'
+    GGUF loader instead respells them "▁▁".. as ordinary BPE vocabulary reached by merges ranked
+    by id, which agrees only up to 31 spaces: 32 spaces become 16 + 16 where SentencePiece and
+    llama.cpp write 31 + 1. Here the runs are spelled with spaces again, their merges dropped,
+    and they are added tokens matched in the raw text, as the token types say. One other
+    difference follows, on llama.cpp's side: a literal "▁" in the input no longer joins a run
+    (SentencePiece, matching after escaping, lets it, and so does unpatched transformers)."""
+    spec = json.loads(hf.backend_tokenizer.to_str())
+    vocab = spec["model"]["vocab"]
+    runs = {"▁" * n: " " * n for n in range(2, 32) if "▁" * n in vocab}
+    for spelled, spaces in runs.items():
+        vocab[spaces] = vocab.pop(spelled)
+    merges = [m.split(" ") if isinstance(m, str) else m for m in spec["model"]["merges"]]
+    spec["model"]["merges"] = [m for m in merges if not {*m, "".join(m)} & runs.keys()]
+    flags = dict.fromkeys(("single_word", "lstrip", "rstrip", "normalized", "special"), False)
+    spec["added_tokens"] += [{"id": vocab[t], "content": t, **flags} for t in runs.values()]
+    return HFBackend.from_str(json.dumps(spec))

@@ -20,7 +20,14 @@ from model.errors import TokenizerError
 log = logging.getLogger(__name__)
 
 # Specials that end a turn or a document; generation stops on any of them, not only on eos.
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|endoftext|>")
+_END_OF_TURN_TOKENS = (
+    "<|im_end|>",
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|end_of_text|>",
+    "<|endoftext|>",
+    "<end_of_turn>",  # Gemma
+)
 
 
 def _gpt2_byte_decoder() -> dict[str, int]:
@@ -129,21 +136,11 @@ class Tokenizer:
         add_bos: bool,
     ) -> None:
         """The part every vocabulary form shares, once BPE ranks and their ids are known."""
-        self.vocab_size = len(token_bytes)
-        for name, token_id in (("eos", eos_id), ("bos", bos_id), ("pad", pad_id)):
-            if token_id is not None and not 0 <= token_id < self.vocab_size:
-                raise TokenizerError(f"{name} id {token_id} is outside the vocabulary")
-        self.eos_id, self.bos_id, self.pad_id, self.add_bos = eos_id, bos_id, pad_id, add_bos
-        self._token_bytes = token_bytes
+        self._init_vocabulary(token_bytes, added, eos_id, bos_id, pad_id, add_bos)
         self._has_missing_bytes = -1 in rank_to_id
-        text_of = {i: token_bytes[i].decode("utf-8") for i in added}
-        self.special_tokens = {text_of[i]: i for i, special in added.items() if special}
-        # Non-special added tokens are always matched in text, as HF and llama.cpp match them.
-        self._always_split = frozenset(text_of[i] for i, special in added.items() if not special)
-        self._allow_all = self._always_split | frozenset(self.special_tokens)
         added_ranks = {}
         for token_id in sorted(added):
-            added_ranks[text_of[token_id]] = len(rank_to_id)
+            added_ranks[token_bytes[token_id].decode("utf-8")] = len(rank_to_id)
             rank_to_id.append(token_id)
         self._rank_to_id = np.asarray(rank_to_id, dtype=np.int64)
         try:
@@ -155,6 +152,29 @@ class Tokenizer:
                 f"pre-tokenizer regex {pattern!r} does not compile: {exc}"
             ) from None
 
+    def _init_vocabulary(
+        self,
+        token_bytes: list[bytes],
+        added: dict[int, bool],
+        eos_id: int,
+        bos_id: int | None,
+        pad_id: int | None,
+        add_bos: bool,
+    ) -> None:
+        """What any tokenizer here has once each id's bytes and the added tokens are known
+        (shared with the SentencePiece tokenizer): the special ids, the added-token texts
+        matched whole in text, and the stop ids."""
+        self.vocab_size = len(token_bytes)
+        for name, token_id in (("eos", eos_id), ("bos", bos_id), ("pad", pad_id)):
+            if token_id is not None and not 0 <= token_id < self.vocab_size:
+                raise TokenizerError(f"{name} id {token_id} is outside the vocabulary")
+        self.eos_id, self.bos_id, self.pad_id, self.add_bos = eos_id, bos_id, pad_id, add_bos
+        self._token_bytes = token_bytes
+        text_of = {i: token_bytes[i].decode("utf-8") for i in added}
+        self.special_tokens = {text_of[i]: i for i, special in added.items() if special}
+        # Non-special added tokens are always matched in text, as HF and llama.cpp match them.
+        self._always_split = frozenset(text_of[i] for i, special in added.items() if not special)
+        self._allow_all = self._always_split | frozenset(self.special_tokens)
         self._skip_ids = frozenset(self.special_tokens.values())
         self.stop_ids = {eos_id}
         self.stop_ids |= {

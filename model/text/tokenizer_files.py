@@ -12,6 +12,7 @@ from typing import Any
 
 from model.errors import TokenizerError
 from model.text.pretokenizer import GPT2_PATTERN, PATTERN_BY_GGUF_PRE, pattern_from_hf
+from model.text.spm_tokenizer import SpmTokenizer
 from model.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -35,10 +36,17 @@ def _token_content(value: Any) -> str | None:
 
 
 def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
-    """From GGUF metadata: vocab, token types, merges and the `tokenizer.ggml.pre` name."""
+    """From GGUF metadata, by `tokenizer.ggml.model`: byte-level BPE ("gpt2": vocab, token
+    types, merges and the `tokenizer.ggml.pre` name) or SentencePiece BPE ("llama": vocab,
+    scores and token types)."""
     model = metadata.get("tokenizer.ggml.model")
+    if model == "llama":
+        return _spm_from_gguf(metadata)
     if model != "gpt2":
-        raise TokenizerError(f"tokenizer.ggml.model is {model!r}; only byte-level BPE 'gpt2'")
+        raise TokenizerError(
+            f"tokenizer.ggml.model is {model!r}; supported are 'gpt2' (byte-level BPE) "
+            "and 'llama' (SentencePiece BPE)"
+        )
     pre = metadata.get("tokenizer.ggml.pre")
     if pre is None:
         log.warning("GGUF has no tokenizer.ggml.pre; using the GPT-2 pre-tokenizer")
@@ -53,6 +61,22 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
         if t in (*special_types, _GGUF_USER_DEFINED)
     }
     merges = [tuple(merge.split(" ")) for merge in metadata.get("tokenizer.ggml.merges", [])]
+    eos_id, extra_stops = _gguf_stop_ids(metadata)
+    return Tokenizer(
+        tokens=tokens,
+        merges=merges,
+        added=added,
+        pattern=PATTERN_BY_GGUF_PRE.get(pre or "gpt-2", GPT2_PATTERN),
+        eos_id=eos_id,
+        bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
+        pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
+        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        extra_stop_ids=extra_stops,
+    )
+
+
+def _gguf_stop_ids(metadata: dict[str, Any]) -> tuple[int, list[int]]:
+    """The eos id (required) and the other end-of-turn ids the file names."""
     if "tokenizer.ggml.eos_token_id" not in metadata:
         raise TokenizerError("GGUF has no tokenizer.ggml.eos_token_id")
     extra_stops = [
@@ -60,15 +84,26 @@ def tokenizer_from_gguf(metadata: dict[str, Any]) -> Tokenizer:
         for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
         if key in metadata
     ]
-    return Tokenizer(
+    return metadata["tokenizer.ggml.eos_token_id"], extra_stops
+
+
+def _spm_from_gguf(metadata: dict[str, Any]) -> SpmTokenizer:
+    """SentencePiece: the merge order comes from the scores, so they must be there. BOS and
+    the space prefix default to on, as llama.cpp defaults them for this model (Llama 2's
+    files predate the flags); Gemma's files turn the prefix off."""
+    tokens = metadata["tokenizer.ggml.tokens"]
+    if "tokenizer.ggml.scores" not in metadata:
+        raise TokenizerError("GGUF SentencePiece vocabulary has no tokenizer.ggml.scores")
+    eos_id, extra_stops = _gguf_stop_ids(metadata)
+    return SpmTokenizer(
         tokens=tokens,
-        merges=merges,
-        added=added,
-        pattern=PATTERN_BY_GGUF_PRE.get(pre or "gpt-2", GPT2_PATTERN),
-        eos_id=metadata["tokenizer.ggml.eos_token_id"],
+        scores=metadata["tokenizer.ggml.scores"],
+        types=metadata.get("tokenizer.ggml.token_type", [1] * len(tokens)),
+        eos_id=eos_id,
         bos_id=metadata.get("tokenizer.ggml.bos_token_id"),
         pad_id=metadata.get("tokenizer.ggml.padding_token_id"),
-        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", False)),
+        add_bos=bool(metadata.get("tokenizer.ggml.add_bos_token", True)),
+        add_space_prefix=bool(metadata.get("tokenizer.ggml.add_space_prefix", True)),
         extra_stop_ids=extra_stops,
     )
 
