@@ -10,8 +10,11 @@ import pytest
 from model.native.build import NativeUnavailable, executable_isas, library_for
 
 ISAS = executable_isas()
-# The levels the engine-wide invariance tests run at: each machine class we serve on.
-MACHINE_ISAS = tuple(isa for isa in ISAS if isa != "avx512")
+# The levels the engine-wide invariance tests run at: each machine class we serve on
+# (AVX-512 machines build `native`, AVX2-only ones `avx2`). The portable build's kernels
+# are checked row by row at every level like the others; its engine-wide run (75 s on two
+# cores) is left out, as no processor we serve on lacks AVX2.
+MACHINE_ISAS = tuple(isa for isa in ISAS if isa in ("native", "avx2"))
 
 
 def library_at(isa: str) -> ctypes.CDLL:

