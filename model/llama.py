@@ -82,8 +82,8 @@ class Llama(nn.Module):
         count = sum(layer.use_native() for layer in self.layers)
         if count == 0 and any(layer.has_family_extras() for layer in self.layers):
             logger.info(
-                "%s layers (Q/K/V bias or Q/K norms) run on the PyTorch path around the "
-                "C attention: the C decoder layer computes Llama's",
+                "%s layers run on the PyTorch path around the C attention: the C decoder "
+                "layer computes Llama's, without the family's additions",
                 self.config.architecture,
             )
         return count
