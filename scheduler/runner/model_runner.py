@@ -20,17 +20,16 @@ import torch
 from model.batch import Batch
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
-from model.sampler import Sampler, SamplerOutput, token_logprobs
+from model.sampler import Sampler
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
-from scheduler.request import TokenLogprob
 from scheduler.runner.decode_graphs import DecodeGraphs
 from scheduler.runner.inputs import build_step_inputs, sampling_metadata
 from scheduler.runner.kv_capacity import plan_kv_capacity
 from scheduler.runner.memory_profile import gpu_kv_budget
 from scheduler.runner.openmp import release_openmp_workers
+from scheduler.runner.step_results import prompt_logprobs, sampled_rows, sampled_tokens
 from scheduler.step_data import (
     ModelRunnerOutput,
-    SampledToken,
     ScheduledRequest,
     SchedulerOutput,
 )
@@ -150,7 +149,7 @@ class ModelRunner:
                 if req.prompt_logprobs_from is not None:
                     first = inputs.first_row[index]
                     rows = logits[first : first + inputs.num_rows[index]]
-                    result.prompt_logprobs[req.request_id] = _prompt_logprobs(req, rows)
+                    result.prompt_logprobs[req.request_id] = prompt_logprobs(req, rows)
         except Exception:
             if self.model.tp is not None:
                 raise  # the ranks are out of step: nothing after this can be trusted
@@ -169,9 +168,9 @@ class ModelRunner:
             meta = sampling_metadata(
                 sampling, [self._generator(r) for r in sampling], vocab, self.device
             )
-            rows = _sampled_rows(logits, [inputs.last_row(i) for i in indices])
+            rows = sampled_rows(logits, [inputs.last_row(i) for i in indices])
             out = self.sampler(rows[:, :vocab], meta)
-            result.sampled = _sampled_tokens(sampling, out)
+            result.sampled = sampled_tokens(sampling, out)
         except Exception:
             # Only the rows that sampled are lost; an exception escaping the step would stop
             # the engine thread and with it every request on the server.
@@ -236,71 +235,6 @@ class ModelRunner:
             generator.manual_seed(req.seed)
             self._generators[req.request_id] = generator
         return generator
-
-
-def _prompt_logprobs(req: ScheduledRequest, logits: torch.Tensor) -> list[TokenLogprob]:
-    """logits: one row per token of this chunk; the row at position p scores prompt token
-    p + 1. Positions scored before (ahead of a preemption) are skipped."""
-    start = req.num_computed_tokens
-    first = req.prompt_logprobs_from or 0  # next position to score
-    end = min(start + logits.shape[0], len(req.prompt_ids) - 1)
-    if end <= first:
-        return []
-    targets = torch.tensor(req.prompt_ids[first + 1 : end + 1], device=logits.device)
-    num_top = req.params.prompt_logprobs or 0
-    chosen, top_ids, top_lps = token_logprobs(logits[first - start : end - start], targets, num_top)
-    chosen_l = chosen.tolist()
-    ids_l = top_ids.tolist() if top_ids is not None else [[] for _ in chosen_l]
-    lps_l = top_lps.tolist() if top_lps is not None else [[] for _ in chosen_l]
-    return [
-        TokenLogprob(token, lp, list(zip(ids, lps, strict=True)))
-        for token, lp, ids, lps in zip(targets.tolist(), chosen_l, ids_l, lps_l, strict=True)
-    ]
-
-
-def _sampled_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """The logits rows that sample, as a view where they are consecutive (every step of
-    decodes only, and most others): indexing by a list copies them all, 0.8 ms for 32
-    rows of a 49k vocabulary on 2 cores, in every step. The sampler never writes to its
-    input (model/sampler.py)."""
-    first = rows[0]
-    if rows == list(range(first, first + len(rows))):
-        return logits[first : first + len(rows)]
-    return logits[rows]
-
-
-def _sampled_tokens(reqs: list[ScheduledRequest], out: SamplerOutput) -> dict[str, SampledToken]:
-    token_ids, chosen, top_ids, top_lps = _to_host(
-        out.token_ids, out.logprobs, out.top_ids, out.top_logprobs
-    )
-    sampled = {}
-    for i, req in enumerate(reqs):
-        logprob = None
-        num_top = req.params.logprobs
-        if chosen is not None and num_top is not None:
-            top = (
-                list(zip(top_ids[i][:num_top], top_lps[i][:num_top], strict=False))
-                if top_ids and num_top
-                else []
-            )
-            logprob = TokenLogprob(token_ids[i], chosen[i], top)
-        sampled[req.request_id] = SampledToken(token_ids[i], logprob)
-    return sampled
-
-
-def _to_host(*tensors: torch.Tensor | None) -> list[list | None]:
-    """As lists, with one wait per step: on a GPU the copies are queued together into
-    pinned memory and waited for once (one device-to-host copy when only token ids are
-    asked for), where a `tolist` each would wait on the device every time."""
-    present = [t for t in tensors if t is not None]
-    if present and present[0].device.type == "cuda":
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in present]
-        for target, source in zip(host, present, strict=True):
-            target.copy_(source, non_blocking=True)
-        torch.cuda.current_stream(present[0].device).synchronize()
-        present = host
-    lists = iter([t.tolist() for t in present])
-    return [next(lists) if t is not None else None for t in tensors]
 
 
 def _fail(result: ModelRunnerOutput, reqs: list[ScheduledRequest], message: str) -> None:
