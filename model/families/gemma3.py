@@ -23,7 +23,7 @@ def _refuse_softcapping(cfg: dict[str, Any], source: str) -> None:
             raise UnsupportedModelError(f"{source}: Gemma 3 with {key} is not supported")
 
 
-def _common(dim: int, head_dim: int, query_pre_attn_scalar: float) -> Fields:
+def _common(dim: int, query_pre_attn_scalar: float) -> Fields:
     return {
         "qk_norm": True,
         "hidden_act": "gelu_tanh",
@@ -48,7 +48,7 @@ def _hf_fields(cfg: dict[str, Any], source: str) -> Fields:
     rope = cfg.get("rope_parameters") or {}
     full = rope.get("full_attention") or {}
     local = rope.get("sliding_attention") or {}
-    fields = _common(dim, head_dim, cfg.get("query_pre_attn_scalar") or head_dim)
+    fields = _common(dim, cfg.get("query_pre_attn_scalar") or head_dim)
     return {
         **fields,
         "sliding_window": cfg.get("sliding_window"),
@@ -65,7 +65,7 @@ def _gguf_fields(md: dict[str, Any], source: str) -> Fields:
     _refuse_softcapping(md, source)
     n_layers, dim = md["block_count"], md["embedding_length"]
     head_dim = md.get("attention.key_length") or dim // md["attention.head_count"]
-    fields = _common(dim, head_dim, head_dim)
+    fields = _common(dim, head_dim)
     return {
         **fields,
         "sliding_window": md.get("attention.sliding_window"),
