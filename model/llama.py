@@ -181,6 +181,19 @@ class Llama(nn.Module):
         """Logits [len(batch.logits_indices), vocab] in fp32."""
         if self.before_forward is not None:
             self.before_forward(batch, kv_cache)
+        h = self.norm(self._layers(batch, kv_cache)[batch.logits_indices])
+        logits = self.lm_head(h).float()
+        if self.tp:
+            logits = gather_vocab(logits, self.config.vocab_size)
+        return logits
+
+    @torch.inference_mode()
+    def hidden_states(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:
+        """The final norm's output for every token of the batch, [T, dim]: what an
+        embedder pools (transformers' last `hidden_states`)."""
+        return self.norm(self._layers(batch, kv_cache))
+
+    def _layers(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:
         c = self.config
         attention = self.attention
         if c.sliding_window is not None and not attention.supports_window:
@@ -194,11 +207,7 @@ class Llama(nn.Module):
             window = c.window_of(i)
             angles = local_rope if window is not None else rope
             h = layer(h, batch, angles, attention, plan, k_cache, v_cache, window)
-        h = self.norm(h[batch.logits_indices])
-        logits = self.lm_head(h).float()
-        if self.tp:
-            logits = gather_vocab(logits, self.config.vocab_size)
-        return logits
+        return h
 
     def _window_reference(self) -> AttentionBackend:
         """Sliding-window layers on a backend whose kernels attend to the whole context

@@ -18,6 +18,7 @@ import threading
 from collections.abc import AsyncIterator, Callable
 
 from scheduler.engine import Engine
+from scheduler.pooling_engine import PoolingEngine, PoolingParams
 from scheduler.request import RequestOutput, SamplingParams
 from scheduler.runner.openmp import release_openmp_workers
 from scheduler.stats import StepStats
@@ -30,6 +31,9 @@ logger = logging.getLogger(__name__)
 # lost about a fifth of its speed (31.7-33.5 against 39.6-40.2 tok/s at 0.5 ms, scenario a
 # of bench/serve_bench.py; 32 streams 129.8 against 135.9).
 GIL_SWITCH_INTERVAL_S = 0.0005
+
+
+Params = SamplingParams | PoolingParams  # generation, embedding
 
 
 class EngineDead(RuntimeError):
@@ -48,12 +52,14 @@ def freeze_startup_objects() -> None:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_step: Callable[[StepStats], None] | None = None) -> None:
+    def __init__(
+        self, engine: Engine | PoolingEngine, on_step: Callable[[StepStats], None] | None = None
+    ) -> None:
         self.engine = engine
         self.on_step = on_step
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: list[tuple[str, list[int], SamplingParams, asyncio.Future]] = []
+        self._inbox: list[tuple[str, list[int], Params, asyncio.Future]] = []
         self._aborts: list[str] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
@@ -95,7 +101,7 @@ class AsyncEngine:
         return len(self._queues)
 
     async def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request_id: str, prompt_ids: list[int], params: Params
     ) -> RequestStream:
         """Queues a request and waits until the engine admitted it; raises the engine's
         refusal (InvalidParams, QueueFull) so a server can answer before streaming."""

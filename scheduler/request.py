@@ -13,6 +13,8 @@ from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from scheduler.structured_output import Grammar
 
 
@@ -248,3 +250,4 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    embedding: np.ndarray | None = None  # float32 [dim]: an embedding request's answer

@@ -17,11 +17,13 @@ from server.edge.middleware import BodyLimit, RequestContext
 from server.routes.chat import create_chat_completion
 from server.routes.chat_inputs import render_chat
 from server.routes.completions import create_completion
+from server.routes.embeddings import create_embedding
 from server.routes.engine_inputs import check_token_ids
 from server.routes.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    EmbeddingRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
@@ -72,27 +74,43 @@ def build_app(
                 code="model_not_found",
             )
 
+    def check_generates(model: str | None) -> None:
+        check_model(model)
+        if state.embedding is not None:
+            raise APIError(
+                400,
+                f"the model `{state.model_name}` is an embedding model and generates no "
+                "text; use /v1/embeddings",
+                "model",
+            )
+
     guarded = [Depends(authorized)]
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(req: CompletionRequest, raw: Request) -> Any:
-        check_model(req.model)
+        check_generates(req.model)
         return await create_completion(req, raw, state)
 
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(req: ChatCompletionRequest, raw: Request) -> Any:
-        check_model(req.model)
+        check_generates(req.model)
         return await create_chat_completion(req, raw, state)
 
     @app.post("/v1/responses", dependencies=guarded)
     async def responses(req: ResponsesRequest, raw: Request) -> Any:
-        check_model(req.model)
+        check_generates(req.model)
         return await create_response(req, raw, state)
+
+    @app.post("/v1/embeddings", dependencies=guarded)
+    async def embeddings(req: EmbeddingRequest, raw: Request) -> Any:
+        check_model(req.model)
+        return await create_embedding(req, raw, state)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> ModelList:
         names = [state.model_name, *state.extra_model_names]
-        return ModelList(data=[ModelCard(id=n, max_model_len=state.max_model_len) for n in names])
+        cards = [ModelCard(id=n, max_model_len=state.max_model_len, task=state.task) for n in names]
+        return ModelList(data=cards)
 
     @app.get("/health")
     async def health() -> Response:

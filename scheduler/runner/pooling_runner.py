@@ -1,0 +1,90 @@
+"""Runners of embedding work: token ids of whole inputs in, one pooled float32 vector per
+input out. `EncoderRunner` drives a bidirectional encoder (model/encoder/bert.py), which
+keeps nothing between calls. `DecoderPoolingRunner` drives a served decoder family
+(`--task embed`): its attention writes K/V to a paged cache, so it runs each step in a
+scratch cache of its own that no request holds once the step is done.
+
+Like `ModelRunner`, they never change request state; the pooling engine does.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Protocol
+
+import torch
+
+from model.batch import Batch
+from model.encoder.bert import Bert
+from model.llama import Llama
+from model.paged_cache import PagedKVCache
+from model.pooling import PoolingConfig, pool
+
+logger = logging.getLogger(__name__)
+
+
+class PoolingRunner(Protocol):
+    max_model_len: int
+    dim: int
+
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        """[len(token_ids), dim] float32 on the host."""
+        ...
+
+
+class EncoderRunner:
+    def __init__(self, model: Bert, pooling: PoolingConfig, max_model_len: int) -> None:
+        self.model = model
+        self.pooling = pooling
+        self.max_model_len = max_model_len
+        self.dim = model.config.dim
+
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        hidden = self.model(token_ids)
+        return pool(hidden, [len(t) for t in token_ids], self.pooling).cpu()
+
+
+class DecoderPoolingRunner:
+    def __init__(
+        self,
+        model: Llama,
+        pooling: PoolingConfig,
+        max_model_len: int,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        block_size: int = 16,
+    ) -> None:
+        self.model = model
+        self.pooling = pooling
+        self.max_model_len = max_model_len
+        self.dim = model.config.dim
+        self.block_size = block_size
+        weight = model.embed_tokens.weight
+        self.device = weight.device
+        # Enough for the largest step the engine forms: a full token budget spread over
+        # max_num_seqs inputs (each rounds up to a block), or one input of the longest
+        # length alone. On a CPU the pages of blocks never written are never resident.
+        blocks = max(
+            -(-max_model_len // block_size),
+            -(-max_num_batched_tokens // block_size) + max_num_seqs,
+        )
+        self.kv_cache = PagedKVCache.allocate(
+            model.config, blocks, block_size, weight.dtype, weight.device
+        )
+
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        tables, start = [], 0
+        for ids in token_ids:
+            count = -(-len(ids) // self.block_size)
+            tables.append(list(range(start, start + count)))
+            start += count
+        batch = Batch.build(
+            token_ids,
+            [0] * len(token_ids),
+            tables,
+            self.block_size,
+            self.device,
+            null_block=self.kv_cache.null_block,
+        )
+        hidden = self.model.hidden_states(batch, self.kv_cache)
+        return pool(hidden, [len(t) for t in token_ids], self.pooling).cpu()
