@@ -81,6 +81,7 @@ class PoolingEngine:
         stats = StepStats(finished=self._aborted)
         self._aborted = []
         stats.num_running = len(taken)
+        stats.num_tokens = sum(len(i.token_ids) for i in taken)
         try:
             vectors = self.runner.embed([i.token_ids for i in taken]).numpy()
         except Exception:
@@ -89,12 +90,12 @@ class PoolingEngine:
             outputs = [_output(i, None, "internal error while embedding the input") for i in taken]
         else:
             outputs = [_output(i, v) for i, v in zip(taken, vectors, strict=True)]
-        now = time.monotonic()
-        stats.forward_s = stats.step_time_s = now - started
-        stats.num_tokens = stats.num_prompt_tokens = sum(len(i.token_ids) for i in taken)
-        for item in taken:
-            stats.ttft_s.append(now - item.arrival_time)
-            stats.finished.append(_finished(item, "stop", started))
+            now = time.monotonic()
+            stats.num_prompt_tokens = stats.num_tokens
+            for item in taken:
+                stats.ttft_s.append(now - item.arrival_time)
+                stats.finished.append(_finished(item, "stop", started))
+        stats.forward_s = stats.step_time_s = time.monotonic() - started
         stats.num_waiting = len(self.waiting)
         return outputs, stats
 

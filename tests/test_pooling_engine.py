@@ -1,0 +1,93 @@
+"""The pooling engine's scheduling: first come, first served under the step token budget
+and `max_num_seqs`, the bounded queue, aborts, and a failing step that costs only its own
+inputs. A runner that records what it was given stands in for the model: what is
+checked is which inputs share a step, not the vectors."""
+
+import numpy as np
+import pytest
+import torch
+
+from scheduler.pooling_engine import PoolingEngine, PoolingParams
+from scheduler.request import InvalidParams
+from scheduler.scheduler import QueueFull, SchedulerConfig
+
+
+class RecordingRunner:
+    max_model_len = 100
+    dim = 3
+
+    def __init__(self, fail_on: int | None = None) -> None:
+        self.steps: list[list[list[int]]] = []
+        self.fail_on = fail_on
+
+    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+        self.steps.append(token_ids)
+        if self.fail_on is not None and len(self.steps) == self.fail_on:
+            raise RuntimeError("out of memory")
+        # Each vector says which input it came from: its first token and its length.
+        return torch.tensor([[t[0], len(t), 0.0] for t in token_ids])
+
+
+def engine(runner: RecordingRunner, **limits: int) -> PoolingEngine:
+    config = dict(max_model_len=100, max_num_seqs=3, max_num_batched_tokens=10, max_waiting=5)
+    return PoolingEngine(runner, SchedulerConfig(**{**config, **limits}))
+
+
+def run_all(e: PoolingEngine) -> list:
+    outputs = []
+    while e.has_work():
+        outputs += e.step()[0]
+    return outputs
+
+
+def test_steps_keep_the_budget_and_the_order() -> None:
+    runner = RecordingRunner()
+    e = engine(runner)
+    sizes = [4, 4, 4, 1, 1, 1, 1, 30]  # 30: over the budget, runs alone
+    outputs = []
+    for first, last in ((0, 5), (5, 8)):  # the second group arrives once the first is done
+        for i in range(first, last):
+            e.add_request(f"r{i}", [i] * sizes[i], PoolingParams())
+        outputs += run_all(e)
+    assert [[len(t) for t in step] for step in runner.steps] == [[4, 4], [4, 1, 1], [1, 1], [30]]
+    assert [o.request_id for o in outputs] == [f"r{i}" for i in range(8)]
+    for i, out in enumerate(outputs):
+        assert out.finished and out.finish_reason == "stop"
+        assert np.array_equal(out.embedding, [i, sizes[i], 0])
+        assert out.num_prompt_tokens == sizes[i]
+
+
+def test_admission_limits() -> None:
+    e = engine(RecordingRunner(), max_waiting=2)
+    with pytest.raises(InvalidParams):
+        e.add_request("empty", [], PoolingParams())
+    with pytest.raises(InvalidParams):
+        e.add_request("long", [1] * 101, PoolingParams())
+    e.add_request("a", [1], PoolingParams())
+    e.add_request("b", [1], PoolingParams())
+    with pytest.raises(QueueFull):
+        e.add_request("c", [1], PoolingParams())
+
+
+def test_abort_of_a_waiting_input() -> None:
+    runner = RecordingRunner()
+    e = engine(runner)
+    e.add_request("keep", [1, 2], PoolingParams())
+    e.add_request("drop", [3, 4], PoolingParams())
+    e.abort("drop")
+    assert [f.finish_reason for f in e.idle_stats().finished] == ["abort"]
+    assert [o.request_id for o in run_all(e)] == ["keep"]
+    assert runner.steps == [[[1, 2]]]
+
+
+def test_a_failing_step_costs_only_its_inputs() -> None:
+    e = engine(RecordingRunner(fail_on=1), max_num_seqs=2)
+    for name in "abc":
+        e.add_request(name, [1, 2], PoolingParams())
+    outputs, stats = e.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("a", "error"), ("b", "error")]
+    assert all(o.error and o.embedding is None for o in outputs)
+    assert stats.finished == [] and stats.num_prompt_tokens == 0  # no success counted
+    outputs, stats = e.step()
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("c", "stop")]
+    assert stats.num_prompt_tokens == 2 and stats.num_waiting == 0
