@@ -1,7 +1,7 @@
 """llamaserve against llama.cpp's llama-server on the same GGUF, the same thread count and
 the same load, side by side; `make bench` runs it.
 
-    python -m bench.serve_bench                     # scenarios a-e, both servers
+    python -m bench.serve_bench                     # scenarios a-f and m, every peer
     python -m bench.serve_bench --scenarios a --servers llamaserve --scale 0.5
 
 For each scenario a fresh server of each kind is started, driven by one closed-loop load
@@ -23,6 +23,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.embed_bench import race as embed_race
 from bench.loadgen import RunStats, make_prompt, run_closed_loop
 from bench.servers import (
     free_port,
@@ -211,7 +212,11 @@ def main(argv: list[str] | None = None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
-    p.add_argument("--scenarios", default="abcdef")
+    p.add_argument(
+        "--scenarios",
+        default="abcdefm",
+        help="a-f: generation on --model; m: embeddings (bench/embed_bench.py)",
+    )
     p.add_argument(
         "--servers",
         nargs="+",
@@ -230,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     print(f"CPU: {cpu_description()}; {args.threads} threads; model {args.model.name}; seed {seed}")
     for key in args.scenarios:
+        if key == "m":  # its own model and peer: sentence-transformers
+            embed_race(args.threads, seed + ord(key), extra=args.llamaserve_args)
+            continue
         scenario = SCENARIOS[key]
         prompts = make_prompts(tokenizer, scenario, seed + ord(key), args.scale)
         report(scenario, race(scenario, prompts, args.servers, args))

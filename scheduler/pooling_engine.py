@@ -15,15 +15,26 @@ import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
 from scheduler.request import InvalidParams, RequestOutput
-from scheduler.runner.pooling_runner import PoolingRunner
 from scheduler.scheduler import QueueFull, SchedulerConfig
 from scheduler.stats import FinishedStats, StepStats
 
 logger = logging.getLogger(__name__)
+
+
+class PoolingRunner(Protocol):
+    """What the engine needs of a pooling runner (scheduler/runner/pooling_runner.py)."""
+
+    max_model_len: int
+    dim: int
+
+    def embed(self, token_ids: list[list[int]]) -> np.ndarray:
+        """[len(token_ids), dim] float32: one vector per input."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -83,7 +94,7 @@ class PoolingEngine:
         stats.num_running = len(taken)
         stats.num_tokens = sum(len(i.token_ids) for i in taken)
         try:
-            vectors = self.runner.embed([i.token_ids for i in taken]).numpy()
+            vectors = self.runner.embed([i.token_ids for i in taken])
         except Exception:
             # A failure costs the inputs of this step, never the engine thread.
             logger.exception("embedding step of %d inputs failed", len(taken))

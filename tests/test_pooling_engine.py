@@ -5,10 +5,10 @@ checked is which inputs share a step, not the vectors."""
 
 import numpy as np
 import pytest
-import torch
 
 from scheduler.pooling_engine import PoolingEngine, PoolingParams
 from scheduler.request import InvalidParams
+from scheduler.runner.pooling_runner import PADDING_SLACK, length_groups
 from scheduler.scheduler import QueueFull, SchedulerConfig
 
 
@@ -20,12 +20,12 @@ class RecordingRunner:
         self.steps: list[list[list[int]]] = []
         self.fail_on = fail_on
 
-    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+    def embed(self, token_ids: list[list[int]]) -> np.ndarray:
         self.steps.append(token_ids)
         if self.fail_on is not None and len(self.steps) == self.fail_on:
             raise RuntimeError("out of memory")
         # Each vector says which input it came from: its first token and its length.
-        return torch.tensor([[t[0], len(t), 0.0] for t in token_ids])
+        return np.array([[t[0], len(t), 0.0] for t in token_ids], np.float32)
 
 
 def engine(runner: RecordingRunner, **limits: int) -> PoolingEngine:
@@ -91,3 +91,13 @@ def test_a_failing_step_costs_only_its_inputs() -> None:
     outputs, stats = e.step()
     assert [(o.request_id, o.finish_reason) for o in outputs] == [("c", "stop")]
     assert stats.num_prompt_tokens == 2 and stats.num_waiting == 0
+
+
+def test_length_groups_bound_padding_and_cover_every_input() -> None:
+    lengths = [5, 200, 6, 7, 190, 50, 5, 48, 1]
+    groups = length_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        sizes = [lengths[i] for i in group]
+        assert len(sizes) * max(sizes) <= PADDING_SLACK * sum(sizes)
+    assert [200, 190] in [sorted((lengths[i] for i in g), reverse=True) for g in groups]

@@ -4,14 +4,13 @@ keeps nothing between calls. `DecoderPoolingRunner` drives a served decoder fami
 (`--task embed`): its attention writes K/V to a paged cache, so it runs each step in a
 scratch cache of its own that no request holds once the step is done.
 
-Like `ModelRunner`, they never change request state; the pooling engine does.
+Like `ModelRunner`, they never change request state; the pooling engine does. Both
+answer `PoolingRunner` (scheduler/pooling_engine.py).
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Protocol
-
+import numpy as np
 import torch
 
 from model.batch import Batch
@@ -19,17 +18,6 @@ from model.encoder.bert import Bert
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
 from model.pooling import PoolingConfig, pool
-
-logger = logging.getLogger(__name__)
-
-
-class PoolingRunner(Protocol):
-    max_model_len: int
-    dim: int
-
-    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
-        """[len(token_ids), dim] float32 on the host."""
-        ...
 
 
 class EncoderRunner:
@@ -39,9 +27,36 @@ class EncoderRunner:
         self.max_model_len = max_model_len
         self.dim = model.config.dim
 
-    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
-        hidden = self.model(token_ids)
-        return pool(hidden, [len(t) for t in token_ids], self.pooling).cpu()
+    def embed(self, token_ids: list[list[int]]) -> np.ndarray:
+        """The encoder pads a batch to its longest input; inputs of a step go through in
+        groups of similar length (sorted), so a short query beside a long passage does not
+        cost a long one's compute."""
+        out = torch.empty(len(token_ids), self.dim)
+        for group in length_groups([len(t) for t in token_ids]):
+            batch = [token_ids[i] for i in group]
+            hidden = self.model(batch)
+            out[group] = pool(hidden, [len(t) for t in batch], self.pooling).cpu()
+        return out.numpy()
+
+
+# A group of inputs may pad up to this share over its real tokens before a new group starts.
+PADDING_SLACK = 1.25
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` in groups, shortest first; in each, the longest times the
+    count stays within PADDING_SLACK of the sum of lengths."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= PADDING_SLACK * (real + n):
+            groups[-1].append(i)
+            real += n
+        else:
+            groups.append([i])
+            real = n
+    return groups
 
 
 class DecoderPoolingRunner:
@@ -72,7 +87,7 @@ class DecoderPoolingRunner:
             model.config, blocks, block_size, weight.dtype, weight.device
         )
 
-    def embed(self, token_ids: list[list[int]]) -> torch.Tensor:
+    def embed(self, token_ids: list[list[int]]) -> np.ndarray:
         tables, start = [], 0
         for ids in token_ids:
             count = -(-len(ids) // self.block_size)
@@ -87,4 +102,4 @@ class DecoderPoolingRunner:
             null_block=self.kv_cache.null_block,
         )
         hidden = self.model.hidden_states(batch, self.kv_cache)
-        return pool(hidden, [len(t) for t in token_ids], self.pooling).cpu()
+        return pool(hidden, [len(t) for t in token_ids], self.pooling).cpu().numpy()
