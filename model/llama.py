@@ -1,10 +1,8 @@
 """The network every supported family shares: embeddings, decoder layers
-(model/decoder_layer.py), final norm and output projection, over one flat `Batch` and a
-paged cache.
-
-A pure function of tensors: it knows nothing of requests, sampling or block allocation.
-`load_weights` takes HF-named tensors in the HF (rotate-halves) RoPE layout and fills the
-fused ones.
+(model/decoder_layer.py), final norm and output projection (or, for an embedder, the final
+hidden states), over one flat `Batch` and a paged cache. A pure function of tensors: it
+knows nothing of requests, sampling or block allocation. `load_weights` takes HF-named
+tensors in the HF (rotate-halves) RoPE layout and fills the fused ones.
 """
 
 from __future__ import annotations

@@ -22,6 +22,11 @@ def _refuse(what: str, source: str) -> UnsupportedModelError:
 
 
 def family_for_hf(model_type: str, source: str) -> Family:
+    if model_type == "bert":  # model/encoder: embeds, generates nothing
+        raise UnsupportedModelError(
+            f"{source}: a BERT encoder generates no text; `llamaserve serve` serves it "
+            "for /v1/embeddings"
+        )
     if model_type not in _BY_HF_TYPE:
         raise _refuse(f"(model_type={model_type!r})", source)
     return _BY_HF_TYPE[model_type]
