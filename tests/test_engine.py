@@ -316,4 +316,9 @@ def test_the_c_kernels_fast_path_is_batch_invariant(prompts, monkeypatch, int4_k
     assert all(layer.native is not None for layer in loaded.model.layers)
     assert loaded.model.embed_from_head
     # bf16 blocks are half the size of float32's: a quarter of the cache for half the prompts.
-    assert_batch_invariant(loaded, prompts[:8], SCENARIOS["preemption"]["kv_cache_memory"] // 4)
+    # A level other than the machine's own runs its kernels slower (the AVX2 build's int8
+    # products about twice as slow on an AVX-512 machine): half as many prompts again, in
+    # half the cache, take the same three scenarios through them.
+    count = 8 if cpu_isa == "native" else 4
+    cache = SCENARIOS["preemption"]["kv_cache_memory"] // (4 * 8 // count)
+    assert_batch_invariant(loaded, prompts[:count], cache)
