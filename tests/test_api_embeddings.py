@@ -265,3 +265,14 @@ def test_decoder_with_task_embed_matches_transformers(ours_default, hf_default) 
             hidden = hf_model(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1]
         expected = torch.nn.functional.normalize(hidden[0, -1], dim=-1)
         torch.testing.assert_close(torch.tensor(item.embedding), expected, atol=1e-4, rtol=0)
+
+
+def test_bfloat16_stays_close_to_sentence_transformers(minilm, reference, texts, expected) -> None:
+    """The precision `--dtype auto` takes where bfloat16 is fast (model/encoder/precision.py)."""
+    from model.encoder.checkpoint import load_encoder
+    from scheduler.runner.pooling_runner import EncoderRunner
+
+    encoder = load_encoder(minilm, dtype=torch.bfloat16, progress=False)
+    runner = EncoderRunner(encoder.model, encoder.pooling, encoder.max_model_len)
+    ids = [reference.tokenizer(t)["input_ids"] for t in texts]
+    assert cosines(runner.embed(ids), expected).min() >= 0.999

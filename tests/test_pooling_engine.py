@@ -6,9 +6,9 @@ checked is which inputs share a step, not the vectors."""
 import numpy as np
 import pytest
 
+from model.encoder.bert import PADDING_SLACK, length_groups
 from scheduler.pooling_engine import PoolingEngine, PoolingParams
 from scheduler.request import InvalidParams
-from scheduler.runner.pooling_runner import PADDING_SLACK, length_groups
 from scheduler.scheduler import QueueFull, SchedulerConfig
 
 

@@ -80,16 +80,66 @@ class _Layer(nn.Module):
         self.ffn_norm = nn.LayerNorm(c.dim, eps=c.norm_eps)
         self.act = _ACTIVATIONS[c.hidden_act]
 
-    def forward(self, h: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
-        b, length, dim = h.shape
-        q, k, v = (
-            t.view(b, length, self.n_heads, -1).transpose(1, 2)
-            for t in self.qkv(h).split(dim, dim=-1)
-        )
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
-        a = a.transpose(1, 2).reshape(b, length, dim)
+    def forward(self, h: torch.Tensor, groups: list[_Group]) -> torch.Tensor:
+        qkv = self.qkv(h)
+        a = torch.empty_like(h)
+        for g in groups:
+            b, length = g.real.shape
+            q, k, v = (
+                t.reshape(b, length, self.n_heads, -1).transpose(1, 2)
+                for t in qkv[g.rows].split(h.shape[1], dim=-1)
+            )
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=g.real[:, None, None, :])
+            a[g.rows_real] = out.transpose(1, 2).reshape(b, length, -1)[g.real]
         h = self.attn_norm(h + self.attn_out(a))
         return self.ffn_norm(h + self.ffn_out(self.act(self.ffn_in(h))))
+
+
+@dataclass
+class _Group:
+    """Sequences whose attention runs as one padded batch: `rows` [b * longest] are the
+    packed rows of their tokens (padding points at row 0 and is masked), `real` [b,
+    longest] marks real tokens, `rows_real` the rows they fill back."""
+
+    rows: torch.Tensor
+    real: torch.Tensor
+    rows_real: torch.Tensor
+
+
+# A group of sequences may pad up to this share over its real tokens before a new group
+# starts: attention of a short sequence padded to a long one's length costs a long one's.
+PADDING_SLACK = 1.25
+
+
+def length_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices of `lengths` in groups, shortest first; in each, the longest times the
+    count stays within PADDING_SLACK of the sum of lengths."""
+    groups: list[list[int]] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        n = lengths[i]
+        if groups and (len(groups[-1]) + 1) * n <= PADDING_SLACK * (real + n):
+            groups[-1].append(i)
+            real += n
+        else:
+            groups.append([i])
+            real = n
+    return groups
+
+
+def _groups(lengths: list[int], device: torch.device) -> list[_Group]:
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    result = []
+    for members in length_groups(lengths):
+        longest = max(lengths[i] for i in members)
+        offsets = torch.arange(longest)
+        real = offsets[None, :] < torch.tensor([lengths[i] for i in members])[:, None]
+        rows = torch.tensor([starts[i] for i in members])[:, None] + offsets[None, :]
+        rows = torch.where(real, rows, 0)
+        result.append(_Group(rows.flatten().to(device), real.to(device), rows[real].to(device)))
+    return result
 
 
 class Bert(nn.Module):
@@ -104,29 +154,24 @@ class Bert(nn.Module):
 
     @torch.inference_mode()
     def forward(self, token_ids: list[list[int]]) -> torch.Tensor:
-        """Hidden states of every real token, the sequences one after another:
-        [sum of lengths, dim]. Every sequence is one segment (token type 0)."""
+        """Hidden states of every token, the sequences one after another: [sum of
+        lengths, dim]. Every sequence is one segment (token type 0). The linear layers run
+        on the packed tokens, so no padding costs them anything; only attention pads, in
+        groups of sequences of similar length."""
         device = self.word_embeddings.weight.device
         lengths = [len(ids) for ids in token_ids]
-        longest = max(lengths)
-        ids = torch.zeros(len(token_ids), longest, dtype=torch.int64)
-        for row, seq in enumerate(token_ids):
-            ids[row, : len(seq)] = torch.tensor(seq, dtype=torch.int64)
-        ids = ids.to(device)
-        real = (
-            torch.arange(longest, device=device)[None, :]
-            < torch.tensor(lengths, device=device)[:, None]
-        )
+        ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.int64)
+        positions = torch.cat([torch.arange(n) for n in lengths])
         h = (
-            self.word_embeddings(ids)
-            + self.position_embeddings.weight[:longest][None]
+            self.word_embeddings(ids.to(device))
+            + self.position_embeddings(positions.to(device))
             + self.token_type_embeddings.weight[0]
         )
         h = self.embed_norm(h)
-        key_mask = real[:, None, None, :]  # True: attend
+        groups = _groups(lengths, device)
         for layer in self.layers:
-            h = layer(h, key_mask)
-        return h[real]
+            h = layer(h, groups)
+        return h
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -19,9 +19,11 @@ import torch
 from tqdm import tqdm
 
 from model.encoder.bert import Bert, BertConfig
+from model.encoder.precision import fastest_dtype
 from model.errors import ModelFileError, UnsupportedModelError
 from model.pooling import PoolingConfig
 from model.text.wordpiece import WordPieceTokenizer
+from model.weight_format import DTYPES
 from model.weights.safetensors import count_tensors, iter_safetensors, safetensors_files
 
 logger = logging.getLogger(__name__)
@@ -58,7 +60,7 @@ def is_encoder_dir(path: Path) -> bool:
 
 def load_encoder(
     path: Path,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     device: str = "cpu",
     max_model_len: int | None = None,
     progress: bool = True,
@@ -78,11 +80,15 @@ def load_encoder(
     limit = min(x for x in (config.max_position, trained_len, max_model_len) if x is not None)
     files = safetensors_files(path)
     model = Bert(config)
-    weights = iter_safetensors(files, dtype)
+    weights = iter_safetensors(files, torch.float32)
     model.load_weights(
         tqdm(weights, total=count_tensors(files), desc="loading weights", disable=not progress)
     )
-    model = model.to(device=device, dtype=dtype).eval()
+    model = model.to(device=device).eval()
+    if dtype == "auto":
+        model = fastest_dtype(model)
+    else:
+        model = model.to(DTYPES[dtype] if isinstance(dtype, str) else dtype)
     logger.info(
         "encoder %s: %d layers, dim %d, %s pooling%s, up to %d tokens",
         path.name,

@@ -11,7 +11,6 @@ answer `PoolingRunner` (scheduler/pooling_engine.py).
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from model.batch import Batch
 from model.encoder.bert import Bert
@@ -28,35 +27,8 @@ class EncoderRunner:
         self.dim = model.config.dim
 
     def embed(self, token_ids: list[list[int]]) -> np.ndarray:
-        """The encoder pads a batch to its longest input; inputs of a step go through in
-        groups of similar length (sorted), so a short query beside a long passage does not
-        cost a long one's compute."""
-        out = torch.empty(len(token_ids), self.dim)
-        for group in length_groups([len(t) for t in token_ids]):
-            batch = [token_ids[i] for i in group]
-            hidden = self.model(batch)
-            out[group] = pool(hidden, [len(t) for t in batch], self.pooling).cpu()
-        return out.numpy()
-
-
-# A group of inputs may pad up to this share over its real tokens before a new group starts.
-PADDING_SLACK = 1.25
-
-
-def length_groups(lengths: list[int]) -> list[list[int]]:
-    """Indices of `lengths` in groups, shortest first; in each, the longest times the
-    count stays within PADDING_SLACK of the sum of lengths."""
-    groups: list[list[int]] = []
-    real = 0
-    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-        n = lengths[i]
-        if groups and (len(groups[-1]) + 1) * n <= PADDING_SLACK * (real + n):
-            groups[-1].append(i)
-            real += n
-        else:
-            groups.append([i])
-            real = n
-    return groups
+        hidden = self.model(token_ids)
+        return pool(hidden, [len(t) for t in token_ids], self.pooling).cpu().numpy()
 
 
 class DecoderPoolingRunner:

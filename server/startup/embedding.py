@@ -12,14 +12,11 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from model.encoder.checkpoint import is_encoder_dir, load_encoder, matryoshka_dimensions
 from model.loader import LoadedModel, resolve_device
 from model.pooling import PoolingConfig
 from model.text.tokenizer import Tokenizer
 from model.text.wordpiece import WordPieceTokenizer
-from model.weight_format import DTYPES
 from model.weights.pypi_models import resolve_model_path
 from scheduler.pooling_engine import PoolingEngine
 from scheduler.runner.pooling_runner import DecoderPoolingRunner, EncoderRunner
@@ -68,7 +65,7 @@ def build_embedding_server(config: ServeConfig, loaded: LoadedModel | None) -> E
     if loaded is None:
         encoder = load_encoder(
             resolve_model_path(config.model or ""),
-            dtype=_encoder_dtype(config.dtype),
+            dtype=config.dtype,
             device=resolve_device(config.device),
             max_model_len=config.engine.max_model_len,
         )
@@ -104,14 +101,6 @@ def build_embedding_server(config: ServeConfig, loaded: LoadedModel | None) -> E
     )
     spec = EmbeddingSpec(dim=runner.dim, normalize=pooling.normalize, matryoshka=matryoshka)
     return EmbeddingServer(engine, tokenizer, name, vocab_size, spec)
-
-
-def _encoder_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """An encoder runs in float32 unless a dtype is named: "auto" times the decoder's
-    formats, which an encoder does not share."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    return DTYPES.get(dtype, torch.float32)
 
 
 def _hf_config(path: Path) -> dict:
