@@ -1,7 +1,7 @@
 """llamaserve against llama.cpp's llama-server on the same GGUF, the same thread count and
 the same load, side by side; `make bench` runs it.
 
-    python -m bench.serve_bench                     # scenarios a-f and m, every peer
+    python -m bench.serve_bench                     # scenarios a-f, m and s, every peer
     python -m bench.serve_bench --scenarios a --servers llamaserve --scale 0.5
 
 For each scenario a fresh server of each kind is started, driven by one closed-loop load
@@ -32,6 +32,7 @@ from bench.servers import (
     llamaserve_command,
     running,
 )
+from bench.spec_bench import race as spec_race
 
 
 @dataclass(frozen=True)
@@ -214,8 +215,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
     p.add_argument(
         "--scenarios",
-        default="abcdefm",
-        help="a-f: generation on --model; m: embeddings (bench/embed_bench.py)",
+        default="abcdefms",
+        help="a-f: generation on --model; m: embeddings (bench/embed_bench.py); s: "
+        "speculative decoding on --model (bench/spec_bench.py)",
     )
     p.add_argument(
         "--servers",
@@ -237,6 +239,9 @@ def main(argv: list[str] | None = None) -> None:
     for key in args.scenarios:
         if key == "m":  # its own model and peer: sentence-transformers
             embed_race(args.threads, seed + ord(key), extra=args.llamaserve_args)
+            continue
+        if key == "s":  # llamaserve against itself, with and without guessing
+            spec_race(str(args.model), args.threads, 256, args.llamaserve_args)
             continue
         scenario = SCENARIOS[key]
         prompts = make_prompts(tokenizer, scenario, seed + ord(key), args.scale)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler.speculation import SpeculativeConfig
+
 # Tokens one step may feed on a GPU when --max-num-batched-tokens is not given.
 GPU_MAX_NUM_BATCHED_TOKENS = 2048
 
@@ -29,3 +31,19 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: no decode-step graphs
+    speculative: SpeculativeConfig | None = None  # --speculative-config
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue is at its bound: the server answers 503 rather than queue forever."""
+
+
+@dataclass
+class SchedulerConfig:
+    """Built from `EngineConfig` once the runner has capped max_model_len to the cache."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_waiting: int
+    speculative: SpeculativeConfig | None = None  # n-gram speculation, when configured

@@ -121,6 +121,8 @@ class Engine:
         now = time.monotonic()
         outputs = []
         for update in updates:
+            if update.request.finished and update.request.request_id not in self._sequences:
+                continue  # a stop string ended it at a token before, in this same step
             try:
                 outputs.append(self._output(update, now, stats))
             except Exception:
@@ -131,6 +133,8 @@ class Engine:
                         update.request, "internal error while processing the request"
                     )
                 )
+        if self.scheduler.speculator is not None:
+            stats.spec = self.scheduler.speculator.take_counts()
         stats.step_time_s = time.monotonic() - started
         return outputs, self._fill_gauges(stats)
 
@@ -159,7 +163,7 @@ class Engine:
         # complete a stop string, which ends the request whatever the scheduler decided.
         if reason != "stop" and seq.text.add(token, check_stop=req.may_stop):
             reason = "stop"
-            self.scheduler.finish(req, reason)
+            self.scheduler.finish(req, reason, update.num_output_tokens)
         if reason is not None:
             seq.text.finish()
             stats.finished.append(_finished_stats(req, reason))
@@ -178,7 +182,7 @@ class Engine:
                 else None
             ),
             num_prompt_tokens=len(req.prompt_ids),
-            num_output_tokens=len(req.output_ids),
+            num_output_tokens=update.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
         )
         seq.pending_logprobs = []

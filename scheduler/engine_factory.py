@@ -33,6 +33,7 @@ def create_engine(model: Llama, tokenizer: Tokenizer, config: EngineConfig | Non
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=step_token_budget(config, runner),
             max_waiting=config.max_waiting,
+            speculative=config.speculative,
         ),
         kv,
     )

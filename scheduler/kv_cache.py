@@ -166,6 +166,23 @@ class KVCacheManager:
         self._requests[child_id] = _RequestBlocks(shared, parent.block_hashes[:num_shared])
         return num_shared * self.block_size
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Release the blocks past those that hold the first num_tokens tokens: the slots
+        of speculated tokens the model rejected. Those blocks were never full of known
+        tokens, so none is in the prefix cache."""
+        request = self._requests.get(request_id)
+        if request is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        for block_id in reversed(request.block_ids[keep:]):
+            block = self._blocks[block_id]
+            _check(block.block_hash is None, f"trimmed block {block_id} is cached")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free_block_ids.append(block_id)
+        del request.block_ids[keep:]
+        del request.block_hashes[keep:]
+
     def free(self, request_id: str) -> None:
         """Release every block of the request; unknown ids are ignored."""
         request = self._requests.pop(request_id, None)

@@ -19,8 +19,8 @@ from typing import Protocol
 
 import numpy as np
 
+from scheduler.config import QueueFull, SchedulerConfig
 from scheduler.request import InvalidParams, RequestOutput
-from scheduler.scheduler import QueueFull, SchedulerConfig
 from scheduler.stats import FinishedStats, StepStats
 
 logger = logging.getLogger(__name__)

@@ -193,6 +193,9 @@ class Request:
     # computed, which is why such a request never starts from cached prefix blocks.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
+    # Speculative decoding (scheduler/speculation.py): guesses offered and accepted so far.
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
     # prompt + outputs, kept as one list: the scheduler and the batch read it every step,
     # and concatenating a long context per request per step is wasted copying.
     all_token_ids: list[int] = field(init=False)
@@ -203,6 +206,10 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_tokens: int) -> None:
+        del self.output_ids[num_tokens:]
+        del self.all_token_ids[len(self.prompt_ids) + num_tokens :]
 
     @property
     def num_tokens(self) -> int:

@@ -5,7 +5,9 @@ Running requests go first (decodes and the next chunk of a partly computed promp
 then waiting ones are admitted, their prompts split into chunks when the budget is
 short. When the cache cannot grow a running request, the most recently admitted one is
 preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed later (its cached prefix blocks usually survive). Nothing is dropped.
+recomputed later (its cached prefix blocks usually survive). Nothing is dropped. With
+speculation configured, a decoding sequence may feed guessed tokens after its last one
+(scheduler/speculation.py), within the same budget.
 
 One step is three calls, as in vLLM's v1 core: `schedule()` says what runs, the model
 runner computes, `update_from_output()` advances computed tokens, appends sampled tokens,
@@ -19,15 +21,18 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass
 
+from scheduler.config import QueueFull, SchedulerConfig
 from scheduler.kv_cache import KVCacheManager
 from scheduler.request import Request, RequestStatus, resolve_max_tokens
+from scheduler.speculation import Speculator
 from scheduler.step_data import (
     ModelRunnerOutput,
+    SampledToken,
     ScheduledRequest,
     SchedulerOutput,
     SequenceUpdate,
+    scheduled_request,
 )
 from scheduler.structured_output import StructuredOutputManager
 
@@ -35,20 +40,6 @@ logger = logging.getLogger(__name__)
 
 
 GRAMMAR_BROKEN = "internal error: a sampled token broke the request's grammar"
-
-
-class QueueFull(RuntimeError):
-    """The waiting queue is at its bound: the server answers 503 rather than queue forever."""
-
-
-@dataclass
-class SchedulerConfig:
-    """Built from `EngineConfig` once the runner has capped max_model_len to the cache."""
-
-    max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_waiting: int
 
 
 class Scheduler:
@@ -65,6 +56,9 @@ class Scheduler:
         self._finished_ids: list[str] = []
         self._in_flight: dict[str, Request] = {}  # scheduled this step, by id
         self.structured = StructuredOutputManager()
+        self.speculator = (
+            Speculator(config.speculative, config.max_model_len) if config.speculative else None
+        )
 
     @property
     def num_waiting(self) -> int:
@@ -108,10 +102,13 @@ class Scheduler:
                     return self._finish(req, "abort")
         return None
 
-    def finish(self, req: Request, reason: str) -> None:
-        """Ends a running request the engine stopped (a stop string in its text)."""
+    def finish(self, req: Request, reason: str, num_output_tokens: int | None = None) -> None:
+        """Ends a running request the engine stopped (a stop string in its text, found at
+        output length `num_output_tokens`: later tokens of the same step are dropped)."""
         if req.finished:
             return
+        if num_output_tokens is not None:
+            req.truncate_output(num_output_tokens)
         if req in self.running:
             self.running.remove(req)
         self._finish(req, reason)
@@ -145,23 +142,29 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
 
+        spec = self.speculator
+        speculating = spec is not None and spec.active(len(self.running))
         for req in list(self.running):
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             if budget == 0:
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            drafts = spec.drafts(req, budget - 1) if speculating and num_new == 1 else []
             while not self.kv.allocate_slots(
-                req.request_id, req.all_token_ids, req.num_computed_tokens, num_new
+                req.request_id, req.all_token_ids, req.num_computed_tokens, num_new + len(drafts)
             ):
+                if drafts:  # guesses never cost another sequence its place
+                    drafts = []
+                    continue
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
             else:
-                plan.append((req, num_new))
-                budget -= num_new
+                plan.append((req, num_new, drafts))
+                budget -= num_new + len(drafts)
 
         # Admitting while preempting would take back the blocks just freed.
         while (
@@ -194,12 +197,15 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
             self.running.append(req)
-            plan.append((req, num_new))
+            plan.append((req, num_new, []))
             budget -= num_new
 
-        self._in_flight = {req.request_id: req for req, _ in plan}
+        self._in_flight = {req.request_id: req for req, _, _ in plan}
         finished_ids, self._finished_ids = self._finished_ids, []
-        scheduled = [self._scheduled(req, num_new) for req, num_new in plan]
+        scheduled = [
+            scheduled_request(req, num_new, drafts, self.kv.block_table(req.request_id))
+            for req, num_new, drafts in plan
+        ]
         self._fill_bitmasks(scheduled)
         return SchedulerOutput(
             scheduled=scheduled,
@@ -217,30 +223,13 @@ class Scheduler:
         for index, row in enumerate(rows):
             row.token_bitmask = bitmask[index]
 
-    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
-        start = req.num_computed_tokens
-        sample = start + num_new == req.num_tokens
-        owes = req.owes_prompt_logprobs and start < len(req.prompt_ids) - 1
-        return ScheduledRequest(
-            request_id=req.request_id,
-            new_token_ids=req.all_token_ids[start : start + num_new],
-            num_computed_tokens=start,
-            block_table=self.kv.block_table(req.request_id),
-            sample=sample,
-            params=req.params,
-            seed=req.seed,
-            prompt_ids=req.prompt_ids,
-            output_ids=req.output_ids,
-            suppress_token_ids=(req.stop_token_ids if sample and not req.may_stop else frozenset()),
-            prompt_logprobs_from=len(req.prompt_logprobs) if owes else None,
-        )
-
     def update_from_output(
         self, out: SchedulerOutput, result: ModelRunnerOutput
     ) -> list[SequenceUpdate]:
         """The only place a step's results move requests forward: computed tokens, prompt
         logprobs, sampled tokens, forks of n > 1 siblings, stop tokens and lengths; what
-        finished is freed here. Returns one update per sequence that sampled or failed."""
+        finished is freed here. Returns one update per token sampled (a speculating
+        sequence may take several, scheduler/speculation.py) and per sequence failed."""
         updates: list[SequenceUpdate] = []
         for scheduled in out.scheduled:
             req = self._in_flight[scheduled.request_id]
@@ -251,28 +240,44 @@ class Scheduler:
                 self.finish(req, "error")
                 updates.append(SequenceUpdate(req, finish_reason="error", error=error))
                 continue
-            req.num_computed_tokens += len(scheduled.new_token_ids)
+            drafts = scheduled.draft_token_ids
+            req.num_computed_tokens += len(scheduled.new_token_ids) - len(drafts)
             req.prompt_logprobs += result.prompt_logprobs.get(req.request_id, [])
             if not scheduled.sample:
                 continue
             if not req.output_ids:
                 self._fork_siblings(req)
-            sampled = result.sampled[req.request_id]
-            req.append_output(sampled.token_id)
-            reason = None
-            if req.request_id in self.structured:
-                # The matcher moves with the output and only here; a grammar that has
-                # ended (or a refused token) ends the sequence whatever its stop tokens.
-                reason = self.structured.accept(req.request_id, sampled.token_id)
-            reason = reason or self._stop_reason(req, sampled.token_id)
-            if reason is not None:
-                self.finish(req, reason)
-            if reason == "error":
-                updates.append(SequenceUpdate(req, finish_reason=reason, error=GRAMMAR_BROKEN))
-                continue
-            updates.append(SequenceUpdate(req, sampled.token_id, sampled.logprob, reason))
+            emitted = [result.sampled[req.request_id]]
+            if drafts:
+                emitted += result.sampled_after.get(req.request_id, [])
+                self.speculator.record(req, len(drafts), len(emitted) - 1)
+            for position, sampled in enumerate(emitted):
+                if position:  # the guess before it was right: its K/V is in the cache
+                    req.num_computed_tokens += 1
+                update = self._take_token(req, sampled)
+                updates.append(update)
+                if update.finish_reason is not None:
+                    break
+            if drafts and not req.finished:
+                self.kv.trim(req.request_id, req.num_tokens)
         self._in_flight = {}
         return updates
+
+    def _take_token(self, req: Request, sampled: SampledToken) -> SequenceUpdate:
+        req.append_output(sampled.token_id)
+        reason = None
+        if req.request_id in self.structured:
+            # The matcher moves with the output and only here; a grammar that has
+            # ended (or a refused token) ends the sequence whatever its stop tokens.
+            reason = self.structured.accept(req.request_id, sampled.token_id)
+        reason = reason or self._stop_reason(req, sampled.token_id)
+        if reason is not None:
+            self.finish(req, reason)
+        if reason == "error":
+            return SequenceUpdate(req, finish_reason=reason, error=GRAMMAR_BROKEN)
+        return SequenceUpdate(
+            req, sampled.token_id, sampled.logprob, reason, num_output_tokens=len(req.output_ids)
+        )
 
     def _stop_reason(self, req: Request, token_id: int) -> str | None:
         if req.may_stop and token_id in req.stop_token_ids:

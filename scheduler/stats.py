@@ -5,6 +5,8 @@ after an abort) carries only the gauges and what finished since the last report.
 
 from dataclasses import dataclass, field
 
+from scheduler.speculation import SpecCounts
+
 
 @dataclass
 class FinishedStats:
@@ -33,3 +35,4 @@ class StepStats:
     kv_blocks_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    spec: SpecCounts | None = None  # what verifying speculated tokens accepted this step

@@ -39,6 +39,9 @@ class ScheduledRequest:
     # A constrained sequence that samples: the tokens its grammar allows next, one bit per
     # token id (llguidance's int32 layout), a row of the step's one bitmask array.
     token_bitmask: np.ndarray | None = None
+    # Speculated tokens, the tail of new_token_ids (scheduler/speculation.py): the runner
+    # takes the target's choice after each and reports how many it would have chosen.
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +62,10 @@ class SampledToken:
 @dataclass
 class ModelRunnerOutput:
     sampled: dict[str, SampledToken] = field(default_factory=dict)
+    # A speculating sequence's tokens after `sampled`: the target's choices at the
+    # positions of its accepted guesses (each equal to the guess after it), the last one
+    # the target's own next token. `sampled` is the choice after the sequence's last token.
+    sampled_after: dict[str, list[SampledToken]] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # Sequences whose step failed (forward or sampler), with the message their client gets;
     # a failure costs only the sequences it touched.
@@ -78,3 +85,29 @@ class SequenceUpdate:
     # strings are the engine's to find, in the text.
     finish_reason: str | None = None
     error: str | None = None
+    # The output's length once this token is in it: a speculating sequence takes several
+    # tokens a step, and a stop string may end it at one before the last.
+    num_output_tokens: int = 0
+
+
+def scheduled_request(
+    req: Request, num_new: int, drafts: list[int], block_table: list[int]
+) -> ScheduledRequest:
+    """A request's share of a step: its next `num_new` tokens, then any guesses."""
+    start = req.num_computed_tokens
+    sample = start + num_new == req.num_tokens
+    owes = req.owes_prompt_logprobs and start < len(req.prompt_ids) - 1
+    return ScheduledRequest(
+        request_id=req.request_id,
+        new_token_ids=req.all_token_ids[start : start + num_new] + drafts,
+        draft_token_ids=drafts,
+        num_computed_tokens=start,
+        block_table=block_table,
+        sample=sample,
+        params=req.params,
+        seed=req.seed,
+        prompt_ids=req.prompt_ids,
+        output_ids=req.output_ids,
+        suppress_token_ids=(req.stop_token_ids if sample and not req.may_stop else frozenset()),
+        prompt_logprobs_from=len(req.prompt_logprobs) if owes else None,
+    )

@@ -154,6 +154,15 @@ def test_embedding_flags_that_cannot_apply_are_one_sentence(capsys):
         (["serve", encoder, "--task", "generate"], "cannot serve --task generate"),
         (["serve", encoder, "--pooling", "max"], "unknown pooling 'max'"),
         (["serve", "--pooling", "cls"], "--pooling applies only to a model that embeds"),
+        (
+            [
+                "serve",
+                encoder,
+                "--speculative-config",
+                '{"method": "ngram", "num_speculative_tokens": 2}',
+            ],
+            "--speculative-config speeds up generation",
+        ),
     ]
     for args, message in cases:
         assert main(args) == 2

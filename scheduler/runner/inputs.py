@@ -19,7 +19,7 @@ from scheduler.step_data import ScheduledRequest
 class StepInputs:
     batch: Batch
     # Per scheduled sequence, the logits rows of this step's tokens it owns: all of them
-    # when prompt logprobs are owed, else only the last.
+    # when prompt logprobs are owed or guesses are verified, else only the last.
     first_row: list[int]
     num_rows: list[int]
 
@@ -30,7 +30,7 @@ class StepInputs:
 def build_step_inputs(
     scheduled: list[ScheduledRequest], block_size: int, null_block: int, device: torch.device
 ) -> StepInputs:
-    every_row = [s.prompt_logprobs_from is not None for s in scheduled]
+    every_row = [s.prompt_logprobs_from is not None or bool(s.draft_token_ids) for s in scheduled]
     batch = Batch.build(
         [s.new_token_ids for s in scheduled],
         [s.num_computed_tokens for s in scheduled],

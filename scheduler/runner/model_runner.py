@@ -27,7 +27,12 @@ from scheduler.runner.inputs import build_step_inputs, sampling_metadata
 from scheduler.runner.kv_capacity import plan_kv_capacity
 from scheduler.runner.memory_profile import gpu_kv_budget
 from scheduler.runner.openmp import release_openmp_workers
-from scheduler.runner.step_results import prompt_logprobs, sampled_rows, sampled_tokens
+from scheduler.runner.step_results import (
+    prompt_logprobs,
+    sampled_rows,
+    sampled_tokens,
+    verified,
+)
 from scheduler.step_data import (
     ModelRunnerOutput,
     ScheduledRequest,
@@ -165,12 +170,19 @@ class ModelRunner:
             return result
         try:
             vocab = self.sample_vocab_size
+            # A speculating sequence samples a row per guess too (all greedy, scheduler/
+            # speculation.py), each row as if it were the sequence's last.
+            owners = [r for r in sampling for _ in range(1 + len(r.draft_token_ids))]
+            row_ids = [
+                inputs.last_row(i) - len(plan.scheduled[i].draft_token_ids) + j
+                for i in indices
+                for j in range(1 + len(plan.scheduled[i].draft_token_ids))
+            ]
             meta = sampling_metadata(
-                sampling, [self._generator(r) for r in sampling], vocab, self.device
+                owners, [self._generator(r) for r in owners], vocab, self.device
             )
-            rows = sampled_rows(logits, [inputs.last_row(i) for i in indices])
-            out = self.sampler(rows[:, :vocab], meta)
-            result.sampled = sampled_tokens(sampling, out)
+            out = self.sampler(sampled_rows(logits, row_ids)[:, :vocab], meta)
+            verified(sampling, sampled_tokens(owners, out), result)
         except Exception:
             # Only the rows that sampled are lost; an exception escaping the step would stop
             # the engine thread and with it every request on the server.
@@ -241,4 +253,5 @@ def _fail(result: ModelRunnerOutput, reqs: list[ScheduledRequest], message: str)
     for req in reqs:
         result.errors[req.request_id] = message
         result.sampled.pop(req.request_id, None)
+        result.sampled_after.pop(req.request_id, None)
         result.prompt_logprobs.pop(req.request_id, None)

@@ -8,7 +8,8 @@ import torch
 
 from model.sampler import SamplerOutput, token_logprobs
 from scheduler.request import TokenLogprob
-from scheduler.step_data import SampledToken, ScheduledRequest
+from scheduler.speculation import accepted
+from scheduler.step_data import ModelRunnerOutput, SampledToken, ScheduledRequest
 
 
 def prompt_logprobs(req: ScheduledRequest, logits: torch.Tensor) -> list[TokenLogprob]:
@@ -42,11 +43,13 @@ def sampled_rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
     return logits[rows]
 
 
-def sampled_tokens(reqs: list[ScheduledRequest], out: SamplerOutput) -> dict[str, SampledToken]:
+def sampled_tokens(reqs: list[ScheduledRequest], out: SamplerOutput) -> list[SampledToken]:
+    """One per row sampled; `reqs[i]` is the request row i belongs to (a speculating one
+    owns several rows)."""
     token_ids, chosen, top_ids, top_lps = _to_host(
         out.token_ids, out.logprobs, out.top_ids, out.top_logprobs
     )
-    sampled = {}
+    sampled = []
     for i, req in enumerate(reqs):
         logprob = None
         num_top = req.params.logprobs
@@ -57,8 +60,24 @@ def sampled_tokens(reqs: list[ScheduledRequest], out: SamplerOutput) -> dict[str
                 else []
             )
             logprob = TokenLogprob(token_ids[i], chosen[i], top)
-        sampled[req.request_id] = SampledToken(token_ids[i], logprob)
+        sampled.append(SampledToken(token_ids[i], logprob))
     return sampled
+
+
+def verified(
+    reqs: list[ScheduledRequest], rows: list[SampledToken], result: ModelRunnerOutput
+) -> None:
+    """Per request, its rows' tokens into `result`: the first as `sampled`; for one that
+    speculated, the target's tokens at its accepted guesses and the one after them as
+    `sampled_after`."""
+    position = 0
+    for req in reqs:
+        mine = rows[position : position + 1 + len(req.draft_token_ids)]
+        position += len(mine)
+        result.sampled[req.request_id] = mine[0]
+        if req.draft_token_ids:
+            count = accepted(req.draft_token_ids, [t.token_id for t in mine])
+            result.sampled_after[req.request_id] = mine[1 : count + 1]
 
 
 def _to_host(*tensors: torch.Tensor | None) -> list[list | None]:

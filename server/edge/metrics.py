@@ -171,6 +171,22 @@ class ServerMetrics:
             "Generated tokens of each finished request.",
             request_tokens,
         )
+        # Speculative decoding, as vLLM's spec_decode counters (scheduler/speculation.py).
+        self.spec_num_drafts = counter(
+            "spec_decode_num_drafts", "Sequences that offered guessed tokens to a step."
+        )
+        self.spec_num_draft_tokens = counter(
+            "spec_decode_num_draft_tokens", "Guessed tokens verified."
+        )
+        self.spec_num_accepted_tokens = counter(
+            "spec_decode_num_accepted_tokens", "Guessed tokens the model would have chosen."
+        )
+        self.spec_accepted_per_position = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+            "Guessed tokens accepted, by their position in the guess (0: the first).",
+            ["model_name", "position"],
+            registry=reg,
+        )
         self.iteration_tokens = histogram(
             "iteration_tokens_total",
             "Tokens fed to the model in one engine step (prefill chunks plus decodes).",
@@ -193,6 +209,13 @@ class ServerMetrics:
             self.time_to_first_token.observe(ttft_s)
         for gap_s in stats.inter_token_s:
             self.inter_token_latency.observe(gap_s)
+        if stats.spec is not None:
+            spec = stats.spec
+            self.spec_num_drafts.inc(spec.num_drafts)
+            self.spec_num_draft_tokens.inc(spec.num_draft_tokens)
+            self.spec_num_accepted_tokens.inc(spec.num_accepted_tokens)
+            for position, count in enumerate(spec.accepted_per_position):
+                self.spec_accepted_per_position.labels(self.model_name, str(position)).inc(count)
         for done in stats.finished:
             self.request_success.labels(self.model_name, done.finish_reason).inc()
             self.e2e_request_latency.observe(done.e2e_s)

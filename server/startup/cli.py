@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from scheduler.config import EngineConfig
+from scheduler.speculation import SpeculativeConfig, SpeculativeConfigError
 from server.startup.flags import UsageError, add_model_flags, add_parallel_flags, add_serve_flags
 
 
@@ -97,6 +98,11 @@ def serve(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=not args.no_prefix_caching,
+            speculative=(
+                SpeculativeConfig.parse(args.speculative_config)
+                if args.speculative_config is not None
+                else None
+            ),
         ),
         allowed_origins=args.allowed_origins,
         max_request_bytes=args.max_request_bytes,
@@ -160,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         DistributedError,
         UsageError,
         PoolingConfigError,
+        SpeculativeConfigError,
     ) as exc:
         print(f"llamaserve: {exc}", file=sys.stderr)
         return 2

@@ -53,6 +53,8 @@ def embedding_kind(config: ServeConfig) -> str | None:
     if config.task == "embed" or encoder:
         if config.parallel.tensor_parallel_size > 1:
             raise UsageError("--task embed runs on one device: drop --tensor-parallel-size")
+        if config.engine.speculative is not None:
+            raise UsageError("--speculative-config speeds up generation: drop it to embed")
         return "encoder" if encoder else "decoder"
     if config.pooling is not None:
         raise UsageError("--pooling applies only to a model that embeds (--task embed)")

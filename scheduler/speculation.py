@@ -1,0 +1,186 @@
+"""Speculative decoding by n-gram lookup (vLLM's `ngram` method, llama.cpp's lookup
+decoding): a decoding sequence guesses its next tokens from its own prompt and output, and
+one forward verifies every guess. Reading the weights dominates a CPU's decode step, so
+checking k guessed tokens costs little more than computing one; each accepted guess is a
+token gained.
+
+The scheduler asks `draft_tokens` for a running sequence's guesses and feeds them after
+its last token; the runner takes the target's choice at every position; `accepted`
+counts how many guesses match, and the sequence gets those plus the target's own next
+token. Only sequences whose choice at each position does not depend on the guesses
+before it speculate: greedy, no penalties, no grammar, min_tokens reached. Their output
+is exactly what decoding one token a step gives.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from scheduler.request import Request
+
+# A sequence whose guesses are mostly wrong stops guessing: each rejected guess is a token
+# computed for nothing. Judged once it has offered this many.
+ACCEPTANCE_WINDOW = 32
+MIN_ACCEPTANCE = 0.2
+
+
+class SpeculativeConfigError(ValueError):
+    """A --speculative-config that cannot be used; one sentence for the CLI."""
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    # Above this many running sequences nobody guesses: the batch already fills a step.
+    disable_by_batch_size: int = 4
+    method: str = "ngram"
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculativeConfig:
+        """vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k,
+        "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}."""
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SpeculativeConfigError(f"--speculative-config is not JSON: {exc.msg}") from None
+        if not isinstance(fields, dict):
+            raise SpeculativeConfigError("--speculative-config must be a JSON object")
+        if "model" in fields:
+            raise SpeculativeConfigError(
+                "--speculative-config: draft models are not supported yet; use "
+                '{"method": "ngram", ...}'
+            )
+        method = fields.pop("method", None)
+        if method != "ngram":
+            raise SpeculativeConfigError(
+                f"--speculative-config: unknown method {method!r} (supported: ngram)"
+            )
+        known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known.add("disable_by_batch_size")
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise SpeculativeConfigError(f"--speculative-config: unknown field {unknown[0]!r}")
+        if "num_speculative_tokens" not in fields:
+            raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens")
+        for name, value in fields.items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise SpeculativeConfigError(
+                    f"--speculative-config: {name} must be a whole number of at least 1, "
+                    f"got {value!r}"
+                )
+        config = cls(method="ngram", **fields)
+        if config.prompt_lookup_min > config.prompt_lookup_max:
+            raise SpeculativeConfigError(
+                "--speculative-config: prompt_lookup_min is above prompt_lookup_max"
+            )
+        return config
+
+
+def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The k tokens that followed the latest earlier occurrence of the sequence's last n
+    tokens, for the longest n in [min_n, max_n] that occurred before; [] if none did."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = list(tokens[length - n :])
+        # Latest first: recent text predicts the next tokens best.
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
+                follow = list(tokens[start + n : start + n + k])
+                if follow:
+                    return follow
+    return []
+
+
+@dataclass
+class SpecCounts:
+    """What one step's verification did, for the `spec_decode` metrics."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_position) < drafted:
+            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+
+class Speculator:
+    """The scheduler's speculation: whether this step guesses, each sequence's guesses,
+    and the counts of what verification accepted."""
+
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.counts = SpecCounts()
+
+    def active(self, num_running: int) -> bool:
+        return num_running <= self.config.disable_by_batch_size
+
+    def drafts(self, req: Request, room: int) -> list[int]:
+        return draft_tokens(req, self.config, room, self.max_model_len)
+
+    def record(self, req: Request, drafted: int, accepted: int) -> None:
+        req.num_draft_tokens += drafted
+        req.num_accepted_tokens += accepted
+        self.counts.add(drafted, accepted)
+
+    def take_counts(self) -> SpecCounts:
+        """What verification accepted since the last call (the engine's step report)."""
+        counts, self.counts = self.counts, SpecCounts()
+        return counts
+
+
+def may_speculate(req: Request) -> bool:
+    p = req.params
+    exact = (
+        p.greedy
+        and p.presence_penalty == 0.0
+        and p.frequency_penalty == 0.0
+        and p.repetition_penalty == 1.0
+        and p.grammar is None
+        and req.may_stop
+    )
+    if not exact:
+        return False
+    drafted, accepted = req.num_draft_tokens, req.num_accepted_tokens
+    return drafted < ACCEPTANCE_WINDOW or accepted >= MIN_ACCEPTANCE * drafted
+
+
+def draft_tokens(
+    req: Request, config: SpeculativeConfig, room: int, max_model_len: int
+) -> list[int]:
+    """Guesses for a sequence about to decode one token, within `room` more tokens this
+    step, its max_tokens and the context; [] where it must not or cannot guess."""
+    if not may_speculate(req):
+        return []
+    limit = min(
+        config.num_speculative_tokens,
+        room,
+        # The last guess accepted still leaves its bonus token within both lengths.
+        req.params.max_tokens - len(req.output_ids) - 1,
+        max_model_len - req.num_tokens - 1,
+    )
+    if limit < 1:
+        return []
+    return propose_ngram(
+        req.all_token_ids, config.prompt_lookup_min, config.prompt_lookup_max, limit
+    )
+
+
+def accepted(drafts: list[int], targets: list[int]) -> int:
+    """How many leading guesses equal the target's choice at their position: targets[j]
+    is the target's token after the last token and drafts[:j]."""
+    count = 0
+    while count < len(drafts) and drafts[count] == targets[count]:
+        count += 1
+    return count

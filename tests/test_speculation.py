@@ -1,0 +1,203 @@
+"""n-gram speculative decoding: greedy output (tokens, logprobs, text, finish reasons,
+usage) identical with and without it on the default model, alone, crowded, chunked and
+after preemption, with stop strings, stop tokens and max_tokens landing inside an
+accepted run; the proposer, the acceptance rule, the config and the KV bookkeeping."""
+
+import json
+
+import httpx
+import pytest
+
+from scheduler.kv_cache import KVCacheManager
+from scheduler.request import SamplingParams
+from scheduler.speculation import (
+    SpeculativeConfig,
+    SpeculativeConfigError,
+    accepted,
+    propose_ngram,
+)
+from tests.engine_driver import run_engine
+from tests.live_server import engine_config, running_server
+from tests.test_engine import engine_for
+
+# Text that repeats itself, where lookup guesses well, and text that does not.
+TEXTS = [
+    "Count from one: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):",
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the",
+    "Repeat after me: red green blue, red green blue, red green blue,",
+    "The capital of France is",
+]
+NGRAM = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64)
+
+
+def params(**fields) -> SamplingParams:
+    return SamplingParams(**{"max_tokens": 16, "temperature": 0.0, "logprobs": 2, **fields})
+
+
+@pytest.fixture(scope="module")
+def requests(ours_default):
+    encode = ours_default.tokenizer.encode
+    reqs = {f"r{i}": (encode(t), params()) for i, t in enumerate(TEXTS)}
+    # Ends inside runs the guesses make likely: a stop string, a stop token, max_tokens.
+    reqs["stop"] = (encode(TEXTS[0]), params(stop=[" 15,"]))
+    reqs["stop_id"] = (encode(TEXTS[3]), params(stop_token_ids=encode(" blue")[-1:]))
+    reqs["short"] = (encode(TEXTS[2]), params(max_tokens=7))
+    reqs["pair"] = (encode(TEXTS[1]), params(n=2))
+    # Sampled requests never speculate; seeded, they are batch invariant.
+    reqs["sampled"] = (encode(TEXTS[0]), params(temperature=0.8, seed=7, logprobs=None))
+    return reqs
+
+
+# A fixed step budget: no start-up timing of the prefill for each engine.
+BUDGET = dict(max_num_batched_tokens=512)
+
+
+@pytest.fixture(scope="module")
+def plain(ours_default, requests):
+    results, _ = run_engine(engine_for(ours_default, **BUDGET), requests)
+    return results
+
+
+def run_speculating(loaded, requests, one_at_a_time: bool = False, **engine):
+    """`one_at_a_time`: each request alone in the engine, after the one before finished."""
+    e = engine_for(loaded, speculative=NGRAM, **{**BUDGET, **engine})
+    drafted = accepted_total = 0
+    preemptions = 0
+    results: dict = {}
+    waves = [[item] for item in requests.items()] if one_at_a_time else [requests.items()]
+    for wave in waves:
+        for rid, (ids, p) in wave:
+            e.add_request(rid, ids, p)
+        while e.has_work():
+            outputs, stats = e.step()
+            preemptions += stats.num_preemptions
+            if stats.spec is not None:
+                drafted += stats.spec.num_draft_tokens
+                accepted_total += stats.spec.num_accepted_tokens
+            for out in outputs:
+                results.setdefault((out.request_id, out.index), []).append(out)
+    e.scheduler.kv.check_invariants()
+    assert e.scheduler.kv.num_used_blocks == 0
+    return results, drafted, accepted_total, preemptions
+
+
+def assert_same(plain, spec) -> None:
+    assert set(spec) == set(plain)
+    for key, outs in spec.items():
+        want = plain[key]
+        assert [t for o in outs for t in o.new_token_ids] == want.token_ids, key
+        assert "".join(o.new_text for o in outs) == want.text, key
+        assert outs[-1].finish_reason == want.finish_reason, key
+        assert outs[-1].num_output_tokens == want.outputs[-1].num_output_tokens, key
+        got_lps = [lp for o in outs for lp in (o.logprobs or [])]
+        want_lps = [lp for o in want.outputs for lp in (o.logprobs or [])]
+        assert [lp.token_id for lp in got_lps] == [lp.token_id for lp in want_lps], key
+        for g, w in zip(got_lps, want_lps, strict=True):
+            # A verifying step computes a sequence's rows as a short prefill (its attention
+            # on the prefill path, its products in a batch of another shape), where plain
+            # decoding takes the decode kernel: float32 sums in another order. Measured up
+            # to 2.3e-5; a request alone against in a crowd differs by up to 6.8e-6.
+            assert abs(g.logprob - w.logprob) <= 5e-5, key
+            assert [i for i, _ in g.top] == [i for i, _ in w.top], key
+
+
+SCENARIOS = {
+    "crowded": dict(),
+    "chunked_prefill": dict(max_num_batched_tokens=9),
+    "preemption": dict(kv_cache_memory=12 * 737280),
+}
+
+
+@pytest.mark.parametrize("scenario", list(SCENARIOS))
+def test_greedy_output_is_unchanged(ours_default, requests, plain, scenario) -> None:
+    spec, drafted, accepted_total, preemptions = run_speculating(
+        ours_default, requests, **SCENARIOS[scenario]
+    )
+    assert_same(plain, spec)
+    assert accepted_total > 0.3 * drafted > 0  # the guesses were used, and mostly right
+    if scenario == "preemption":
+        assert preemptions > 0
+
+
+def test_alone_as_in_a_crowd(ours_default, requests, plain) -> None:
+    alone = {rid: requests[rid] for rid in ("r0", "stop", "short")}
+    spec, _, accepted_total, _ = run_speculating(ours_default, alone, one_at_a_time=True)
+    assert_same({k: v for k, v in plain.items() if k[0] in alone}, spec)
+    assert accepted_total > 0
+
+
+def test_proposals() -> None:
+    assert propose_ngram([1, 2, 3, 9, 1, 2, 3], 1, 3, 2) == [9, 1]
+    # The longest suffix that occurred wins over a later, shorter one.
+    assert propose_ngram([5, 6, 7, 8, 0, 6, 7, 1, 5, 6, 7], 1, 3, 3) == [8, 0, 6]
+    # Among equal lengths, the latest occurrence.
+    assert propose_ngram([4, 1, 4, 2, 4], 1, 1, 1) == [2]
+    assert propose_ngram([1, 2, 3], 2, 3, 2) == []
+    assert propose_ngram([7], 1, 4, 3) == []
+
+
+def test_acceptance_is_the_leading_agreement() -> None:
+    assert accepted([5, 6, 7], [5, 6, 9, 1]) == 2
+    assert accepted([5, 6], [4, 6, 7]) == 0
+    assert accepted([5, 6], [5, 6, 8]) == 2
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "{bad",
+        "[]",
+        '{"method": "ngram"}',
+        '{"method": "ngram", "num_speculative_tokens": 0}',
+        '{"method": "ngram", "num_speculative_tokens": true}',
+        '{"method": "eagle", "num_speculative_tokens": 2}',
+        '{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}',
+        '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}',
+        '{"model": "draft.gguf", "num_speculative_tokens": 2}',
+    ],
+)
+def test_bad_configs_are_one_sentence(text, capsys) -> None:
+    from server.startup.cli import main
+
+    with pytest.raises(SpeculativeConfigError):
+        SpeculativeConfig.parse(text)
+    assert main(["serve", "--speculative-config", text]) == 2
+    err = capsys.readouterr().err
+    assert "--speculative-config" in err and "Traceback" not in err
+
+
+def test_trim_frees_the_blocks_of_rejected_guesses() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    assert kv.allocate_slots("a", tokens, 0, 9)
+    assert kv.allocate_slots("a", tokens, 9, 1 + 6)  # a token and 6 guesses: 16 slots
+    assert len(kv.block_table("a")) == 4
+    kv.trim("a", 11)  # two of them accepted, plus the next token to compute
+    assert len(kv.block_table("a")) == 3 and kv.num_free_blocks == 5
+    kv.check_invariants()
+
+
+def test_served_with_speculation(ours_default, live_server) -> None:
+    """Over HTTP: the same completions, whole and streamed, as a server without it, and
+    the spec_decode counters say guesses were verified and accepted."""
+    body = {"prompt": TEXTS[2], "max_tokens": 24, "temperature": 0, "logprobs": 1}
+    with running_server(ours_default, engine_config(speculative=NGRAM)) as spec_server:
+        with httpx.Client(timeout=120) as c:
+            want = c.post(f"{live_server.v1}/completions", json=body).json()["choices"][0]
+            got = c.post(f"{spec_server.v1}/completions", json=body).json()["choices"][0]
+            chunks = []
+            streamed = {**body, "stream": True}
+            with c.stream("POST", f"{spec_server.v1}/completions", json=streamed) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        chunks.append(line)
+            metrics = c.get(f"{spec_server.base_url}/metrics").text
+    assert got["text"] == want["text"] and got["logprobs"]["tokens"] == want["logprobs"]["tokens"]
+    assert "".join(json.loads(x[6:])["choices"][0]["text"] for x in chunks) == want["text"]
+    accepted_line = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith("llamaserve:spec_decode_num_accepted_tokens_total{")
+    ]
+    assert float(accepted_line[0].rsplit(" ", 1)[1]) > 0
