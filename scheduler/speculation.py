@@ -33,7 +33,7 @@ class SpeculativeConfigError(ValueError):
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_speculative_tokens: int
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
     prompt_lookup_max: int = 4
     # Above this many running sequences nobody guesses: the batch already fills a step.
     disable_by_batch_size: int = 4

@@ -199,7 +199,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         help="speculative decoding, as vLLM configures it: "
         '\'{"method": "ngram", "num_speculative_tokens": 4}\' guesses each greedy sequence\'s '
         "next tokens from its own prompt and output (optional prompt_lookup_min, "
-        "prompt_lookup_max: the n-gram lengths looked up, default 1 and 4; "
+        "prompt_lookup_max: the n-gram lengths looked up, default 2 and 4; "
         "disable_by_batch_size: no guessing above this many running sequences, default 4)",
     )
     p.add_argument(
