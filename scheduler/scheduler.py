@@ -5,9 +5,8 @@ Running requests go first (decodes and the next chunk of a partly computed promp
 then waiting ones are admitted, their prompts split into chunks when the budget is
 short. When the cache cannot grow a running request, the most recently admitted one is
 preempted: its blocks are freed and it goes back to the front of the queue, to be
-recomputed later (its cached prefix blocks usually survive). Nothing is dropped. With
-speculation configured, a decoding sequence may feed guessed tokens after its last one
-(scheduler/speculation.py), within the same budget.
+recomputed later (its cached prefix blocks usually survive). Nothing is dropped. A
+decoding sequence may feed guessed tokens too (scheduler/speculation.py).
 
 One step is three calls, as in vLLM's v1 core: `schedule()` says what runs, the model
 runner computes, `update_from_output()` advances computed tokens, appends sampled tokens,
@@ -137,11 +136,10 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decides this step's work and reserves its KV blocks; changes no token counts."""
-        plan: list[tuple[Request, int]] = []
+        plan: list[tuple[Request, int, list[int]]] = []  # (request, tokens, guesses)
         preempted: list[Request] = []
         budget = self.config.max_num_batched_tokens
         now = time.monotonic()
-
         spec = self.speculator
         speculating = spec is not None and spec.active(len(self.running))
         for req in list(self.running):
@@ -150,11 +148,13 @@ class Scheduler:
             if budget == 0:
                 break
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            drafts = spec.drafts(req, budget - 1) if speculating and num_new == 1 else []
+            # Guesses only while every running sequence could still grow by a block.
+            roomy = speculating and self.kv.num_free_blocks > len(self.running)
+            drafts = spec.drafts(req, budget - 1) if roomy and num_new == 1 else []
             while not self.kv.allocate_slots(
                 req.request_id, req.all_token_ids, req.num_computed_tokens, num_new + len(drafts)
             ):
-                if drafts:  # guesses never cost another sequence its place
+                if drafts:  # guesses are the first thing given up
                     drafts = []
                     continue
                 victim = self.running[-1]

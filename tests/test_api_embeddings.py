@@ -276,3 +276,22 @@ def test_bfloat16_stays_close_to_sentence_transformers(minilm, reference, texts,
     runner = EncoderRunner(encoder.model, encoder.pooling, encoder.max_model_len)
     ids = [reference.tokenizer(t)["input_ids"] for t in texts]
     assert cosines(runner.embed(ids), expected).min() >= 0.999
+
+
+def test_inputs_beyond_the_waiting_queue_come_back_in_order(minilm) -> None:
+    """1,500 inputs in one call on a server whose queue holds 300: admitted in waves, every
+    vector in its place (each text's own vector, as the same text alone gives)."""
+    words = ["alpha", "beta", "gamma", "delta", "epsilon"]
+    texts = [f"{words[i % 5]} {i}" for i in range(1500)]
+    with running_server(None, engine_config(max_waiting=300), model=str(minilm)) as live:
+        client = OpenAI(base_url=live.v1, api_key="none")
+        got = client.embeddings.create(model=NAME, input=texts, encoding_format="float")
+        one = client.embeddings.create(model=NAME, input=texts[1234], encoding_format="float")
+        with httpx.Client(base_url=live.v1, timeout=60) as c:
+            too_many = c.post("/embeddings", json={"input": ["a"] * 2049})
+    assert [d.index for d in got.data] == list(range(1500))
+    assert (
+        cosines(np.array([got.data[1234].embedding]), np.array([one.data[0].embedding]))[0]
+        > 0.99999
+    )
+    assert_error(too_many, 400, "input")

@@ -23,6 +23,11 @@ from server.routes.protocol import EmbeddingRequest
 from server.routes.streaming import admit, merge, unless_disconnected
 from server.state import EmbeddingSpec, ServerState
 
+# OpenAI's limit of inputs per call.
+MAX_INPUTS = 2048
+# Inputs admitted to the engine at once, within the default waiting queue of 1,024.
+WAVE = 256
+
 
 def embedding_spec(state: ServerState) -> EmbeddingSpec:
     """The spec of a model that embeds, or the 400 a generating model answers."""
@@ -45,6 +50,8 @@ def input_ids(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
         texts = list(req.input)
     if not texts:
         raise APIError(400, "input must not be empty", "input")
+    if len(texts) > MAX_INPUTS:
+        raise APIError(400, f"input holds {len(texts)} items, at most {MAX_INPUTS}", "input")
     result = []
     for item in texts:
         if isinstance(item, str):
@@ -107,30 +114,8 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
     inputs = input_ids(req, state)
     shaped(np.zeros(spec.dim, np.float32), req.dimensions, spec)  # refuse before computing
     rid = raw.state.request_id
-    jobs = [(f"{rid}-{i}", ids, PoolingParams()) for i, ids in enumerate(inputs)]
     raw.state.prompt_tokens = total = sum(len(ids) for ids in inputs)
-    streams = await admit(state, jobs)  # type: ignore[arg-type]
-    return await unless_disconnected(raw, _collect(req, rid, state, streams, spec, total))
-
-
-async def _collect(
-    req: EmbeddingRequest,
-    rid: str,
-    state: ServerState,
-    streams: list,
-    spec: EmbeddingSpec,
-    total: int,
-) -> JSONResponse:
-    data: list[dict[str, Any] | None] = [None] * len(streams)
-    async for i, out in merge(streams):
-        if out.error is not None or out.embedding is None:
-            raise APIError(500, f"embedding failed: {out.error}")
-        vector = shaped(out.embedding, req.dimensions, spec)
-        if req.encoding_format == "base64":
-            value: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode()
-        else:
-            value = vector.tolist()
-        data[i] = {"object": "embedding", "index": i, "embedding": value}
+    data = await unless_disconnected(raw, _embed_all(req, rid, state, inputs, spec))
     return JSONResponse(
         {
             "id": f"embd-{rid}",
@@ -141,3 +126,31 @@ async def _collect(
             "usage": {"prompt_tokens": total, "total_tokens": total},
         }
     )
+
+
+async def _embed_all(
+    req: EmbeddingRequest,
+    rid: str,
+    state: ServerState,
+    inputs: list[list[int]],
+    spec: EmbeddingSpec,
+) -> list[dict[str, Any]]:
+    """In waves of WAVE inputs: a call of 2,048 inputs neither overflows the waiting
+    queue (a 503 it could never get past) nor holds it against other clients."""
+    data: list[dict[str, Any]] = []
+    for start in range(0, len(inputs), WAVE):
+        wave = inputs[start : start + WAVE]
+        jobs = [(f"{rid}-{start + i}", ids, PoolingParams()) for i, ids in enumerate(wave)]
+        vectors: list[np.ndarray | None] = [None] * len(wave)
+        async for i, out in merge(await admit(state, jobs)):  # type: ignore[arg-type]
+            if out.error is not None or out.embedding is None:
+                raise APIError(500, f"embedding failed: {out.error}")
+            vectors[i] = shaped(out.embedding, req.dimensions, spec)
+        for i, vector in enumerate(vectors, start):
+            assert vector is not None
+            if req.encoding_format == "base64":
+                value: Any = base64.b64encode(vector.astype("<f4").tobytes()).decode()
+            else:
+                value = vector.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+    return data

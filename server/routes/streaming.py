@@ -28,13 +28,16 @@ RETRY_AFTER_S = "1"
 async def admit(
     state: ServerState, jobs: list[tuple[str, list[int], SamplingParams]]
 ) -> list[RequestStream]:
-    streams: list[RequestStream] = []
-    try:
-        for request_id, ids, params in jobs:
-            streams.append(await state.engine.add_request(request_id, ids, params))
-    except BaseException as exc:
+    # All at once: the engine thread takes its whole inbox between two steps, so a call of
+    # many prompts or inputs is admitted in one round trip rather than a step each.
+    added = [state.engine.add_request(request_id, ids, params) for request_id, ids, params in jobs]
+    results = await asyncio.gather(*added, return_exceptions=True)
+    streams = [r for r in results if isinstance(r, RequestStream)]
+    refusals = [r for r in results if isinstance(r, BaseException)]
+    if refusals:
         for stream in streams:
             stream.close()
+        exc = refusals[0]
         if isinstance(exc, QueueFull):
             raise APIError(
                 503,
@@ -48,7 +51,7 @@ async def admit(
             ) from None
         if isinstance(exc, InvalidParams):
             raise APIError(400, str(exc), exc.param) from None
-        raise
+        raise exc
     return streams
 
 
