@@ -35,9 +35,10 @@ def hf_default():
     """transformers' own GGUF loader on the default model, with the digit split restored
     to its tokenizer (FACTS.md, trap 2): the independent reference."""
     from tokenizers import pre_tokenizers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from model.weights.default_model import default_model_path
+    from tests.real_references import hf_model_of
 
     path = default_model_path()
     tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -47,10 +48,7 @@ def hf_default():
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
         ]
     )
-    model = AutoModelForCausalLM.from_pretrained(
-        path.parent, gguf_file=path.name, dtype=torch.float32
-    ).eval()
-    return model, tok
+    return hf_model_of(path), tok
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,7 @@ the first time: reading a GGUF through transformers (its dequantisation in numpy
 about 30 s per model, reading its own safetensors copy back a second or two.
 
 The copy is transformers' own output (`save_pretrained` of what it loaded), keyed by the
-GGUF's pinned name and size, and lives beside the GGUF in the model cache, outside the
-repository."""
+GGUF's pinned name and size, and lives in the model cache, outside the repository."""
 
 from pathlib import Path
 
@@ -17,9 +16,11 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from model.weights.pypi_models import model_cache
+
 
 def _copy_dir(gguf: Path, kind: str) -> Path:
-    return gguf.parent / "transformers" / f"{gguf.stem}-{gguf.stat().st_size}-{kind}"
+    return model_cache() / "transformers" / f"{gguf.stem}-{gguf.stat().st_size}-{kind}"
 
 
 def hf_model_of(gguf: Path) -> PreTrainedModel:

@@ -91,22 +91,18 @@ def test_batch_invariance(scenario, ours_default, prompts, alone):
 
 @pytest.mark.slow
 def test_engine_matches_transformers(ours_default, hf_default, prompts):
+    """transformers, teacher-forced on the engine's greedy continuations, predicts each of
+    their tokens (as its own greedy generation would, in one forward per prompt)."""
     hf, _ = hf_default
     engine = engine_for(ours_default)
     picks = [1, 2, 6, 12]
     results, _ = run_engine(engine, {f"r{i}": (prompts[i], greedy()) for i in picks})
     for i in picks:
-        ids = prompts[i]
+        ids, got = prompts[i], results[(f"r{i}", 0)].token_ids
         with torch.no_grad():
-            out = hf.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                max_new_tokens=MAX_TOKENS,
-                do_sample=False,
-                eos_token_id=2,
-                pad_token_id=0,
-            )
-        assert results[(f"r{i}", 0)].token_ids == out[0, len(ids) :].tolist()
+            logits = hf(torch.tensor([ids + got[:-1]]), logits_to_keep=len(got)).logits[0]
+        # An early end of sequence is transformers' choice too (token 2 is its eos).
+        assert logits.argmax(-1).tolist() == got
 
 
 def test_seeded_sampling_is_batch_invariant(ours_default, prompts):
@@ -275,8 +271,8 @@ def test_batch_invariant_flag_gives_batch_invariant_greedy_output(prompts):
 
     loaded = load_model(dtype="auto", quantization="auto", batch_invariant=True, progress=False)
     assert loaded.model.embed_tokens.weight.dtype == torch.float32
-    # Half the prompts need half the cache to be preempted.
-    assert_batch_invariant(loaded, prompts[:8], SCENARIOS["preemption"]["kv_cache_memory"] // 2)
+    # A quarter of the prompts need a quarter of the cache to be preempted.
+    assert_batch_invariant(loaded, prompts[:4], SCENARIOS["preemption"]["kv_cache_memory"] // 4)
 
 
 def assert_batch_invariant(loaded, prompts: list[list[int]], preempting_cache: int) -> None:
