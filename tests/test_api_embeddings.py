@@ -13,6 +13,7 @@ import torch
 from openai import OpenAI
 
 from model.weights.pypi_models import pypi_directory_path
+from tests.fuzzing import fuzz_statuses
 from tests.live_server import assert_error, engine_config, running_server
 
 NAME = "all-minilm-l6-v2"
@@ -218,34 +219,7 @@ def metric(server, name: str) -> float:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_fuzz_finds_no_server_error(embed_server) -> None:
-    import schemathesis
-    from hypothesis import HealthCheck, Phase, given, settings
-    from hypothesis import strategies as st
-    from schemathesis import GenerationMode
-    from schemathesis.checks import not_a_server_error
-
-    schema = schemathesis.openapi.from_url(f"{embed_server.base_url}/openapi.json")
-    (operation,) = [
-        result.ok()
-        for result in schema.get_all_operations()
-        if result.ok().path == "/v1/embeddings"
-    ]
-    cases = st.one_of([operation.as_strategy(mode) for mode in GenerationMode])
-    statuses: list[int] = []
-
-    @given(case=cases)
-    @settings(
-        max_examples=80,
-        deadline=None,
-        derandomize=True,
-        database=None,
-        phases=[Phase.explicit, Phase.generate],
-        suppress_health_check=list(HealthCheck),
-    )
-    def fuzz(case) -> None:
-        statuses.append(case.call_and_validate(checks=[not_a_server_error], timeout=60).status_code)
-
-    fuzz()
+    statuses = fuzz_statuses(embed_server.base_url, {"/v1/embeddings"}, max_examples=80)
     assert 200 in statuses and 400 in statuses
 
 
