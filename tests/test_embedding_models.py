@@ -184,3 +184,23 @@ def test_auto_dtype_takes_bfloat16_only_when_clearly_faster(
     encoder = load_encoder(tmp_path, dtype="auto", progress=False)
     assert encoder.model.word_embeddings.weight.dtype == expected
     assert all(p.dtype == expected for p in encoder.model.parameters())
+
+
+def test_dimensions_cut_only_where_the_model_allows() -> None:
+    import numpy as np
+
+    from server.edge.errors import APIError
+    from server.routes.embeddings import shaped
+    from server.state import EmbeddingSpec
+
+    vector = np.arange(1, 65, dtype=np.float32)
+    listed = EmbeddingSpec(dim=64, normalize=True, matryoshka=[16, 32])
+    cut = shaped(vector, 16, listed)
+    np.testing.assert_allclose(cut, vector[:16] / np.linalg.norm(vector[:16]), rtol=1e-6)
+    assert shaped(vector, 64, listed) is vector  # the model's own size: untouched
+    raw = EmbeddingSpec(dim=64, normalize=False, matryoshka="any")
+    np.testing.assert_array_equal(shaped(vector, 20, raw), vector[:20])
+    for dims, spec in ((20, listed), (65, raw), (16, EmbeddingSpec(64, True, None))):
+        with pytest.raises(APIError) as refused:
+            shaped(vector, dims, spec)
+        assert refused.value.status == 400 and refused.value.param == "dimensions"
