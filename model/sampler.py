@@ -26,6 +26,19 @@ from model.native.ops import NativeArgmax
 _GREEDY_TEMPERATURE = 0.0
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The seed of a seeded sequence's draw at one output position: splitmix64 of the
+    pair, so every bit of the request's seed and the position reaches the low 32 bits,
+    all that PyTorch's CPU generator (mt19937) keeps."""
+    x = (seed + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
 def _flat_index(per_row: list[list[int]], device: torch.device | str) -> tuple[torch.Tensor, ...]:
     """(row, token id) pairs for every id of every row, for one vectorised index_put."""
     rows = [i for i, ids in enumerate(per_row) for _ in ids]

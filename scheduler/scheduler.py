@@ -52,7 +52,6 @@ class Scheduler:
         self.forks_pending: dict[str, list[Request]] = {}
         self.num_preemptions = 0
         # Finished or aborted since the last schedule(): the runner forgets them.
-        self._finished_ids: list[str] = []
         self._in_flight: dict[str, Request] = {}  # scheduled this step, by id
         self.structured = StructuredOutputManager()
         self.speculator = (
@@ -117,7 +116,6 @@ class Scheduler:
         req.finish_reason = reason
         self.kv.free(req.request_id)
         self.structured.remove(req.request_id)
-        self._finished_ids.append(req.request_id)
         # Siblings still waiting for this one's prompt are released to compute it alone.
         for sibling in reversed(self.forks_pending.pop(req.request_id, [])):
             self.waiting.appendleft(sibling)
@@ -201,7 +199,6 @@ class Scheduler:
             budget -= num_new
 
         self._in_flight = {req.request_id: req for req, _, _ in plan}
-        finished_ids, self._finished_ids = self._finished_ids, []
         scheduled = [
             scheduled_request(req, num_new, drafts, self.kv.block_table(req.request_id))
             for req, num_new, drafts in plan
@@ -210,7 +207,6 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=scheduled,
             preempted_ids=[req.request_id for req in preempted],
-            finished_ids=finished_ids,
         )
 
     def _fill_bitmasks(self, scheduled: list[ScheduledRequest]) -> None:

@@ -5,11 +5,20 @@ checking k guessed tokens costs little more than computing one; each accepted gu
 token gained.
 
 The scheduler asks `draft_tokens` for a running sequence's guesses and feeds them after
-its last token; the runner takes the target's choice at every position; `accepted`
-counts how many guesses match, and the sequence gets those plus the target's own next
-token. Only sequences whose choice at each position does not depend on the guesses
-before it speculate: greedy, no penalties, no grammar, min_tokens reached. Their output
-is exactly what decoding one token a step gives.
+its last token; the runner samples the target's choice at every position, each row as if
+it were the sequence's last; `accepted` counts how many guesses match, and the sequence
+gets those plus the target's own choice after them. For a greedy sequence that is
+exactly what decoding one token a step gives. For a sampled one it is rejection sampling
+with a draft that puts all its mass on the guess: a sample from the target's p equals
+the guess g with probability p(g), the acceptance probability min(1, p(g) / 1); and a
+sample that differs is distributed as p without g, renormalised, the residual
+(p - q)+ that rejection sampling draws from. So the output follows the target's
+distribution, and a seeded sequence (whose draw at each output position depends on its
+seed and that position only, scheduler/runner/model_runner.py) gets the tokens it gets
+without speculation.
+
+Only sequences whose choice at each position depends on nothing but the tokens before it
+speculate: no penalties (they count output tokens), no grammar, min_tokens reached.
 """
 
 from __future__ import annotations
@@ -143,8 +152,7 @@ class Speculator:
 def may_speculate(req: Request) -> bool:
     p = req.params
     exact = (
-        p.greedy
-        and p.presence_penalty == 0.0
+        p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and p.repetition_penalty == 1.0
         and p.grammar is None

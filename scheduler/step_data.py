@@ -48,9 +48,6 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
-    # Sequences finished or aborted since the last step: the runner drops what it kept for
-    # them (seeded generators).
-    finished_ids: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -70,8 +70,6 @@ def test_prefill_then_decode_advances_only_in_update_from_output() -> None:
     assert update.finish_reason == "length" and req.output_ids == [7, 8, 9]
     assert req.status is RequestStatus.FINISHED and not sched.running
     assert sched.kv.num_used_blocks == 0
-    assert sched.schedule().finished_ids == ["a"]  # the runner hears of it once
-    assert sched.schedule().finished_ids == []
 
 
 def test_chunked_prefill_samples_only_after_the_last_chunk() -> None:
@@ -204,14 +202,13 @@ def test_admission_refuses_a_full_queue_and_an_oversized_request() -> None:
         sched.add(request("one-too-many", max_tokens=4))
 
 
-def test_abort_frees_and_is_reported_to_the_runner() -> None:
+def test_abort_frees_its_blocks() -> None:
     sched = make_scheduler()
     sched.add(request("a"))
     step(sched)
     assert sched.kv.num_used_blocks > 0
     assert sched.abort("a").finish_reason == "abort"
     assert sched.kv.num_used_blocks == 0 and not sched.has_work()
-    assert sched.schedule().finished_ids == ["a"]
 
 
 def test_the_scheduler_and_the_engine_import_no_torch() -> None:

@@ -44,7 +44,7 @@ def requests(ours_default):
     reqs["stop_id"] = (encode(TEXTS[3]), params(stop_token_ids=encode(" blue")[-1:]))
     reqs["short"] = (encode(TEXTS[2]), params(max_tokens=7))
     reqs["pair"] = (encode(TEXTS[1]), params(n=2))
-    # Sampled requests never speculate; seeded, they are batch invariant.
+    # Sampled and seeded: its draws are its own at each position, with or without guesses.
     reqs["sampled"] = (encode(TEXTS[0]), params(temperature=0.8, seed=7, logprobs=None))
     return reqs
 

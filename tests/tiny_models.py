@@ -20,13 +20,14 @@ def make_tiny_llama(
     rope_scaling: dict | None = None,
     max_shard_size: str | None = None,
     seed: int = 0,
+    vocab_size: int = 512,
 ) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=64,
         intermediate_size=160,
         num_hidden_layers=2,
-        vocab_size=512,
+        vocab_size=vocab_size,
         max_position_embeddings=256,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,

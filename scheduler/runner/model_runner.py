@@ -3,7 +3,7 @@ sampling inputs, runs the forward and the sampler, and answers with plain per-re
 results in a `ModelRunnerOutput`.
 
 It owns every tensor-side decision: the KV-cache tensors and their size (device memory),
-the attention backend the model was built with, and the per-sequence seeded generators.
+the attention backend the model was built with, and the seeded generators' draws.
 It must never change request state: it reads the scheduler's plan and reports; the
 scheduler alone moves requests forward. A failure costs only the sequences it touched,
 never the engine thread.
@@ -20,7 +20,7 @@ import torch
 from model.batch import Batch
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
-from model.sampler import Sampler
+from model.sampler import Sampler, position_seed
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from scheduler.runner.decode_graphs import DecodeGraphs
 from scheduler.runner.inputs import build_step_inputs, sampling_metadata
@@ -97,9 +97,6 @@ class ModelRunner:
         # small steps may run on fewer (measure_small_step_threads).
         self.max_threads = torch.get_num_threads()
         self.small_step_threads = self.max_threads
-        # A seeded sequence draws from its own generator for its whole life, preemptions
-        # included, so its tokens do not depend on what else shares the batch.
-        self._generators: dict[str, torch.Generator] = {}
 
     @property
     def vocab_size(self) -> int:
@@ -124,8 +121,6 @@ class ModelRunner:
         return (time.perf_counter() - started) * 1e3 / num_tokens
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
-        for request_id in plan.finished_ids:
-            self._generators.pop(request_id, None)
         if not plan.scheduled:
             return ModelRunnerOutput()
         num_tokens = sum(len(req.new_token_ids) for req in plan.scheduled)
@@ -170,17 +165,20 @@ class ModelRunner:
             return result
         try:
             vocab = self.sample_vocab_size
-            # A speculating sequence samples a row per guess too (all greedy, scheduler/
-            # speculation.py), each row as if it were the sequence's last.
+            # A speculating sequence samples a row per guess too (scheduler/speculation.py),
+            # each row as if it were the sequence's last.
             owners = [r for r in sampling for _ in range(1 + len(r.draft_token_ids))]
+            generators = [
+                self._generator(r, ahead)
+                for r in sampling
+                for ahead in range(1 + len(r.draft_token_ids))
+            ]
             row_ids = [
                 inputs.last_row(i) - len(plan.scheduled[i].draft_token_ids) + j
                 for i in indices
                 for j in range(1 + len(plan.scheduled[i].draft_token_ids))
             ]
-            meta = sampling_metadata(
-                owners, [self._generator(r) for r in owners], vocab, self.device
-            )
+            meta = sampling_metadata(owners, generators, vocab, self.device)
             out = self.sampler(sampled_rows(logits, row_ids)[:, :vocab], meta)
             verified(sampling, sampled_tokens(owners, out), result)
         except Exception:
@@ -238,14 +236,15 @@ class ModelRunner:
             return torch.get_num_threads()
         return self.small_step_threads if num_tokens <= SMALL_STEP_TOKENS else self.max_threads
 
-    def _generator(self, req: ScheduledRequest) -> torch.Generator | None:
+    def _generator(self, req: ScheduledRequest, ahead: int) -> torch.Generator | None:
+        """A seeded sequence's draw for each output position comes from a generator seeded
+        by its seed and that position alone, so its tokens depend only on the tokens before
+        them: not on what shares the batch, nor on preemption, nor on how many positions a
+        step verifies (speculation)."""
         if req.seed is None or req.params.greedy:
             return None
-        generator = self._generators.get(req.request_id)
-        if generator is None:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(req.seed)
-            self._generators[req.request_id] = generator
+        generator = torch.Generator(device=self.device)
+        generator.manual_seed(position_seed(req.seed, len(req.output_ids) + ahead))
         return generator
 
 
