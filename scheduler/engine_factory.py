@@ -9,7 +9,7 @@ import logging
 
 from model.llama import Llama
 from model.text.tokenizer import Tokenizer
-from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig, EngineConfigError
 from scheduler.engine import Engine
 from scheduler.kv_cache import KVCacheManager
 from scheduler.runner.model_runner import ModelRunner
@@ -21,9 +21,18 @@ logger = logging.getLogger(__name__)
 MAX_MEASURED_BUDGET = 8192
 
 
-def create_engine(model: Llama, tokenizer: Tokenizer, config: EngineConfig | None = None) -> Engine:
+def create_engine(
+    model: Llama,
+    tokenizer: Tokenizer,
+    config: EngineConfig | None = None,
+    draft: Llama | None = None,
+) -> Engine:
+    """`draft`: the loaded draft model a "draft_model" --speculative-config names."""
     config = config or EngineConfig()
-    runner = ModelRunner(model, config)
+    wants_draft = config.speculative is not None and config.speculative.method == "draft_model"
+    if wants_draft != (draft is not None):
+        raise EngineConfigError("a draft model is given exactly when speculation uses one")
+    runner = ModelRunner(model, config, draft)
     runner.sample_vocab_size = min(runner.vocab_size, tokenizer.vocab_size)
     runner.measure_small_step_threads()
     kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)

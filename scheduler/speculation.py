@@ -1,8 +1,10 @@
-"""Speculative decoding by n-gram lookup (vLLM's `ngram` method, llama.cpp's lookup
-decoding): a decoding sequence guesses its next tokens from its own prompt and output, and
-one forward verifies every guess. Reading the weights dominates a CPU's decode step, so
-checking k guessed tokens costs little more than computing one; each accepted guess is a
-token gained.
+"""Speculative decoding: a decoding sequence guesses its next tokens, and one forward
+verifies every guess. Reading the weights dominates a CPU's decode step, so checking k
+guessed tokens costs little more than computing one; each accepted guess is a token
+gained. The guesses come from n-gram lookup in the sequence's own prompt and output
+(vLLM's `ngram` method, llama.cpp's lookup decoding) or from a smaller draft model of the
+same vocabulary, which the runner runs (scheduler/runner/draft_model.py); for the latter
+the scheduler only reserves the guesses' slots (`DRAFT_SLOT`).
 
 The scheduler asks `draft_tokens` for a running sequence's guesses and feeds them after
 its last token; the runner samples the target's choice at every position, each row as if
@@ -39,6 +41,12 @@ class SpeculativeConfigError(ValueError):
     """A --speculative-config that cannot be used; one sentence for the CLI."""
 
 
+# The scheduler reserves a draft model's guesses with this id; the runner's draft model
+# fills them in (scheduler/runner/draft_model.py). Never a token: a slot left unfilled
+# fails the embedding lookup instead of passing for one.
+DRAFT_SLOT = -1
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     num_speculative_tokens: int
@@ -47,32 +55,38 @@ class SpeculativeConfig:
     # Above this many running sequences nobody guesses: the batch already fills a step.
     disable_by_batch_size: int = 4
     method: str = "ngram"
+    model: str | None = None  # the draft model's path or name, for method "draft_model"
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
         """vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k,
-        "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}."""
+        "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}, or
+        {"model": PATH, "num_speculative_tokens": k, "disable_by_batch_size": n}."""
         try:
             fields = json.loads(text)
         except json.JSONDecodeError as exc:
             raise SpeculativeConfigError(f"--speculative-config is not JSON: {exc.msg}") from None
         if not isinstance(fields, dict):
             raise SpeculativeConfigError("--speculative-config must be a JSON object")
-        if "model" in fields:
+        model = fields.pop("model", None)
+        method = fields.pop("method", None if model is None else "draft_model")
+        if method not in ("ngram", "draft_model"):
             raise SpeculativeConfigError(
-                "--speculative-config: draft models are not supported yet; use "
-                '{"method": "ngram", ...}'
+                f"--speculative-config: unknown method {method!r} (supported: ngram, draft_model)"
             )
-        method = fields.pop("method", None)
-        if method != "ngram":
+        if (method == "draft_model") != isinstance(model, str) or model == "":
             raise SpeculativeConfigError(
-                f"--speculative-config: unknown method {method!r} (supported: ngram)"
+                '--speculative-config: a draft model is named by "model" (a path or a '
+                'model name), with method "draft_model" or none'
             )
-        known = {"num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
-        known.add("disable_by_batch_size")
+        known = {"num_speculative_tokens", "disable_by_batch_size"}
+        if method == "ngram":
+            known |= {"prompt_lookup_min", "prompt_lookup_max"}
         unknown = sorted(set(fields) - known)
         if unknown:
-            raise SpeculativeConfigError(f"--speculative-config: unknown field {unknown[0]!r}")
+            raise SpeculativeConfigError(
+                f"--speculative-config: unknown field {unknown[0]!r} for method {method}"
+            )
         if "num_speculative_tokens" not in fields:
             raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens")
         for name, value in fields.items():
@@ -81,7 +95,7 @@ class SpeculativeConfig:
                     f"--speculative-config: {name} must be a whole number of at least 1, "
                     f"got {value!r}"
                 )
-        config = cls(method="ngram", **fields)
+        config = cls(method=method, model=model, **fields)
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise SpeculativeConfigError(
                 "--speculative-config: prompt_lookup_min is above prompt_lookup_max"
@@ -180,6 +194,8 @@ def draft_tokens(
     )
     if limit < 1:
         return []
+    if config.method == "draft_model":
+        return [DRAFT_SLOT] * limit
     return propose_ngram(
         req.all_token_ids, config.prompt_lookup_min, config.prompt_lookup_max, limit
     )

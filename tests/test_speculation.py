@@ -8,6 +8,10 @@ import json
 import httpx
 import pytest
 
+from model.config import ModelConfig
+from model.llama import Llama
+from scheduler.config import EngineConfig
+from scheduler.engine_factory import create_engine
 from scheduler.kv_cache import KVCacheManager
 from scheduler.request import SamplingParams
 from scheduler.speculation import (
@@ -19,6 +23,7 @@ from scheduler.speculation import (
 from tests.engine_driver import run_engine
 from tests.live_server import engine_config, running_server
 from tests.test_engine import engine_for
+from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 
 # Text that repeats itself, where lookup guesses well, and text that does not.
 TEXTS = [
@@ -59,9 +64,17 @@ def plain(ours_default, requests):
     return results
 
 
-def run_speculating(loaded, requests, one_at_a_time: bool = False, **engine):
-    """`one_at_a_time`: each request alone in the engine, after the one before finished."""
-    e = engine_for(loaded, speculative=NGRAM, **{**BUDGET, **engine})
+def run_speculating(
+    loaded, requests, one_at_a_time: bool = False, draft=None, spec=NGRAM, **engine
+):
+    """`one_at_a_time`: each request alone in the engine, after the one before finished.
+    `draft`: a draft model (a `Llama`) guesses instead of n-gram lookup."""
+    if draft is not None:
+        spec = SpeculativeConfig(
+            num_speculative_tokens=3, disable_by_batch_size=64, method="draft_model", model="draft"
+        )
+    config = EngineConfig(speculative=spec, **{**BUDGET, **engine})
+    e = create_engine(loaded.model, loaded.tokenizer, config, draft)
     drafted = accepted_total = 0
     preemptions = 0
     results: dict = {}
@@ -108,6 +121,9 @@ SCENARIOS = {
     "chunked_prefill": dict(max_num_batched_tokens=12),
     "preemption": dict(kv_cache_memory=14 * 737280),
 }
+# About ten blocks: with a draft of the default model's shape each costs twice the bytes,
+# with the small draft about as much as without.
+KV = {"itself": 2 * 10 * 737280, "small": 10 * 737280}
 
 
 @pytest.mark.parametrize("scenario", list(SCENARIOS))
@@ -119,6 +135,40 @@ def test_greedy_output_is_unchanged(ours_default, requests, plain, scenario) -> 
     assert accepted_total > 0.3 * drafted > 0  # the guesses were used, and mostly right
     if scenario == "preemption":
         assert preemptions > 0
+
+
+@pytest.fixture(scope="module")
+def small_draft(ours_default):
+    """A random two-layer model with the default model's vocabulary: its guesses are
+    mostly wrong, and stale draft context would cost nothing the output shows."""
+    c = ours_default.config
+    config = ModelConfig(
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=128,
+        vocab_size=c.vocab_size,
+        max_position=c.max_position,
+        tie_embeddings=True,
+    )
+    return Llama.random(config, std=0.5)
+
+
+@pytest.mark.parametrize("draft", ["itself", "small"])
+def test_draft_model_keeps_greedy_output(ours_default, requests, plain, small_draft, draft):
+    """Every request at once, prompts in chunks, and a cache that holds too few blocks."""
+    model = ours_default.model if draft == "itself" else small_draft
+    spec, drafted, accepted_total, preemptions = run_speculating(
+        ours_default, requests, draft=model, max_num_batched_tokens=12, kv_cache_memory=KV[draft]
+    )
+    assert_same(plain, spec)
+    assert preemptions > 0
+    if draft == "itself":  # the target as its own draft: every guess is its own choice
+        assert accepted_total > 0.95 * drafted > 0
+    else:
+        assert accepted_total < 0.5 * drafted
 
 
 def test_alone_as_in_a_crowd(ours_default, requests, plain) -> None:
@@ -155,7 +205,10 @@ def test_acceptance_is_the_leading_agreement() -> None:
         '{"method": "eagle", "num_speculative_tokens": 2}',
         '{"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}',
         '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 5}',
-        '{"model": "draft.gguf", "num_speculative_tokens": 2}',
+        '{"method": "draft_model", "num_speculative_tokens": 2}',
+        '{"method": "ngram", "model": "draft.gguf", "num_speculative_tokens": 2}',
+        '{"model": "draft.gguf", "num_speculative_tokens": 2, "prompt_lookup_min": 2}',
+        '{"model": "", "num_speculative_tokens": 2}',
     ],
 )
 def test_bad_configs_are_one_sentence(text, capsys) -> None:
@@ -166,6 +219,17 @@ def test_bad_configs_are_one_sentence(text, capsys) -> None:
     assert main(["serve", "--speculative-config", text]) == 2
     err = capsys.readouterr().err
     assert "--speculative-config" in err and "Traceback" not in err
+
+
+def test_a_draft_with_another_vocabulary_is_one_sentence(tmp_path, capsys) -> None:
+    from server.startup.cli import main
+
+    make_tiny_llama(tmp_path)
+    write_tiny_tokenizer(tmp_path)
+    text = json.dumps({"model": str(tmp_path), "num_speculative_tokens": 2})
+    assert main(["serve", "--speculative-config", text, "--max-model-len", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "another vocabulary" in err and "Traceback" not in err
 
 
 def test_trim_frees_the_blocks_of_rejected_guesses() -> None:

@@ -54,13 +54,18 @@ def plan_kv_capacity(
     dtype: torch.dtype,
     device: torch.device,
     measured_budget: int | None = None,
+    draft: ModelConfig | None = None,
 ) -> KVCapacity:
     """The context length is capped to what the cache can hold, so one request always fits.
     The budget is --kv-cache-memory when given, else `measured_budget` (on a GPU, what a
-    profiling step left: memory_profile.py), else the CPU default."""
+    profiling step left: memory_profile.py), else the CPU default. A `draft` model's cache
+    has a block for each of the target's (the same block tables address both), so a
+    block's bytes are both models'."""
     dtype_bytes = torch.tensor([], dtype=dtype).element_size()
-    per_block = kv_bytes_per_block(
-        model.n_layers, model.n_kv_heads, model.head_dim, config.block_size, dtype_bytes
+    per_block = sum(
+        kv_bytes_per_block(m.n_layers, m.n_kv_heads, m.head_dim, config.block_size, dtype_bytes)
+        for m in (model, draft)
+        if m is not None
     )
     budget = config.kv_cache_memory or measured_budget
     if budget is None:

@@ -23,6 +23,7 @@ from model.paged_cache import PagedKVCache
 from model.sampler import Sampler, position_seed
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from scheduler.runner.decode_graphs import DecodeGraphs
+from scheduler.runner.draft_model import DraftModel
 from scheduler.runner.inputs import build_step_inputs, sampling_metadata
 from scheduler.runner.kv_capacity import plan_kv_capacity
 from scheduler.runner.memory_profile import gpu_kv_budget
@@ -45,7 +46,9 @@ SMALL_STEP_TOKENS = 2
 
 
 class ModelRunner:
-    def __init__(self, model: Llama, config: EngineConfig) -> None:
+    def __init__(self, model: Llama, config: EngineConfig, draft: Llama | None = None) -> None:
+        """`draft`: a draft model for speculation (--speculative-config's "model"); its
+        KV cache takes as many blocks as the target's, out of the same budget."""
         self.model = model
         weight = model.embed_tokens.weight
         self.device = weight.device
@@ -64,7 +67,9 @@ class ModelRunner:
                 config.block_size,
                 config.gpu_memory_utilization,
             )
-        capacity = plan_kv_capacity(config, model.config, weight.dtype, weight.device, budget)
+        capacity = plan_kv_capacity(
+            config, model.config, weight.dtype, weight.device, budget, draft and draft.config
+        )
         self.num_blocks = capacity.num_blocks
         self.max_model_len = capacity.max_model_len
         self.kv_cache = PagedKVCache.allocate(
@@ -79,6 +84,7 @@ class ModelRunner:
                 self.num_blocks,
                 self.num_blocks * self.block_size,
             )
+        self.drafter = DraftModel(draft, capacity.num_blocks, config.block_size) if draft else None
         self.decode_graphs: DecodeGraphs | None = None
         # A graph would replay rank 0's collectives without the broadcast that brings the
         # other ranks to them: tensor-parallel steps run eagerly.
@@ -137,15 +143,18 @@ class ModelRunner:
 
     def _run(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput()
-        inputs = build_step_inputs(
-            plan.scheduled, self.block_size, self.kv_cache.null_block, self.device
-        )
+        scheduled = plan.scheduled
         started = time.monotonic()
         try:
+            if self.drafter is not None:
+                scheduled = self.drafter.propose(scheduled, self.sample_vocab_size)
+            inputs = build_step_inputs(
+                scheduled, self.block_size, self.kv_cache.null_block, self.device
+            )
             logits = self.forward(inputs.batch)
             result.forward_s = time.monotonic() - started
             result.num_tokens = inputs.batch.num_tokens
-            for index, req in enumerate(plan.scheduled):
+            for index, req in enumerate(scheduled):
                 if req.prompt_logprobs_from is not None:
                     first = inputs.first_row[index]
                     rows = logits[first : first + inputs.num_rows[index]]
@@ -156,11 +165,11 @@ class ModelRunner:
             logger.exception(
                 "forward failed; failing the %d requests of this step", len(plan.scheduled)
             )
-            _fail(result, plan.scheduled, "internal error in the model forward")
+            _fail(result, scheduled, "internal error in the model forward")
             return result
 
-        indices = [i for i, req in enumerate(plan.scheduled) if req.sample]
-        sampling = [plan.scheduled[i] for i in indices]
+        indices = [i for i, req in enumerate(scheduled) if req.sample]
+        sampling = [scheduled[i] for i in indices]
         if not sampling:
             return result
         try:
@@ -174,9 +183,9 @@ class ModelRunner:
                 for ahead in range(1 + len(r.draft_token_ids))
             ]
             row_ids = [
-                inputs.last_row(i) - len(plan.scheduled[i].draft_token_ids) + j
+                inputs.last_row(i) - len(scheduled[i].draft_token_ids) + j
                 for i in indices
-                for j in range(1 + len(plan.scheduled[i].draft_token_ids))
+                for j in range(1 + len(scheduled[i].draft_token_ids))
             ]
             meta = sampling_metadata(owners, generators, vocab, self.device)
             out = self.sampler(sampled_rows(logits, row_ids)[:, :vocab], meta)

@@ -197,10 +197,12 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="JSON",
         help="speculative decoding, as vLLM configures it: "
-        '\'{"method": "ngram", "num_speculative_tokens": 4}\' guesses each greedy sequence\'s '
+        '\'{"method": "ngram", "num_speculative_tokens": 4}\' guesses each sequence\'s '
         "next tokens from its own prompt and output (optional prompt_lookup_min, "
         "prompt_lookup_max: the n-gram lengths looked up, default 2 and 4; "
-        "disable_by_batch_size: no guessing above this many running sequences, default 4)",
+        "disable_by_batch_size: no guessing above this many running sequences, default 4); "
+        '\'{"model": PATH, "num_speculative_tokens": 4}\' guesses with a smaller draft model '
+        "of the same vocabulary instead",
     )
     p.add_argument(
         "--max-waiting",

@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager, contextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from model.errors import UnsupportedModelError
+from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
 from model.loader import LoadedModel, load_model, resolve_device
 from model.parallel.plan import TensorParallel
 from model.random_model import load_random_model
@@ -25,6 +25,7 @@ from scheduler.engine import Engine
 from scheduler.engine_factory import create_engine
 from scheduler.pooling_engine import PoolingEngine
 from scheduler.scheduler import SchedulerConfig
+from scheduler.speculation import SpeculativeConfigError
 from server.api import build_app
 from server.edge.connections import bounded_http_protocol
 from server.edge.metrics import ServerMetrics
@@ -64,6 +65,39 @@ def load(config: ServeConfig, tp: TensorParallel | None = None) -> LoadedModel:
     )
 
 
+def load_draft(config: ServeConfig, target: LoadedModel) -> LoadedModel | None:
+    """The draft model a "draft_model" --speculative-config names, loaded as the target is
+    (device, dtype, weight format, positions); it must share the target's vocabulary, or
+    its guesses would be other tokens."""
+    spec = config.engine.speculative
+    if spec is None or spec.model is None:
+        return None
+    if config.parallel.resolved().tensor_parallel_size > 1:
+        raise SpeculativeConfigError("--speculative-config: a draft model does not run with -tp")
+    try:
+        draft = load_model(
+            spec.model,
+            device=resolve_device(config.device),
+            dtype=config.dtype,
+            max_position=target.config.max_position,
+            quantization=config.quantization,
+            batch_invariant=config.batch_invariant,
+            attention_backend=config.attention_backend,
+        )
+    except (ModelFileError, UnsupportedModelError, UnsupportedFormatError) as exc:
+        raise SpeculativeConfigError(f"--speculative-config: draft model: {exc}") from None
+    ours, theirs = target.tokenizer, draft.tokenizer
+    if ours.vocab_size != theirs.vocab_size or any(
+        ours.token_bytes(i) != theirs.token_bytes(i) for i in range(ours.vocab_size)
+    ):
+        raise SpeculativeConfigError(
+            f"--speculative-config: the draft model {draft.name} has another vocabulary "
+            f"({theirs.vocab_size} tokens) than {target.name} ({ours.vocab_size})"
+        )
+    logger.info("speculative decoding with draft model %s", draft.name)
+    return draft
+
+
 def build_server(
     config: ServeConfig, loaded: LoadedModel | None = None
 ) -> tuple[FastAPI, ServerState]:
@@ -84,7 +118,10 @@ def build_server(
             loaded = load(config, tp)
         if group is not None:
             loaded.model.before_forward = group.sender
-        engine = create_engine(loaded.model, loaded.tokenizer, config.engine)
+        draft = load_draft(config, loaded)
+        engine = create_engine(
+            loaded.model, loaded.tokenizer, config.engine, draft.model if draft else None
+        )
     except BaseException:
         if group is not None:
             group.close(engine_stopped=False)
