@@ -225,6 +225,9 @@ def main(argv: list[str] | None = None) -> None:
         default=["llamaserve", "llama-server", "transformers"],
         help="llamaserve, llama-server, transformers (generate, at 1 and 16 clients only)",
     )
+    p.add_argument(
+        "--draft-model", default=None, help="scenario s: a draft model for --model, raced too"
+    )
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--scale", type=float, default=1.0, help="multiply each scenario's requests")
     p.add_argument("--seed", type=int, default=None, help="prompt seed (default: random)")
@@ -241,7 +244,9 @@ def main(argv: list[str] | None = None) -> None:
             embed_race(args.threads, seed + ord(key), extra=args.llamaserve_args)
             continue
         if key == "s":  # llamaserve against itself, with and without guessing
-            spec_race(str(args.model), args.threads, 256, args.llamaserve_args)
+            spec_race(
+                str(args.model), args.threads, 256, args.llamaserve_args, draft=args.draft_model
+            )
             continue
         scenario = SCENARIOS[key]
         prompts = make_prompts(tokenizer, scenario, seed + ord(key), args.scale)

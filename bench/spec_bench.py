@@ -1,8 +1,11 @@
-"""Speculative decoding: one client's tokens per second with n-gram lookup against
-without, on prompts that ask to edit or extend a given code file (the answer repeats
-much of it) and on plain chat prompts. `make bench` runs it as scenario s.
+"""Speculative decoding: one client's tokens per second with n-gram lookup and with a
+draft model against without, and against llama-server with the same draft, on prompts
+that ask to edit or extend a given code file (the answer repeats much of it) and on
+plain chat prompts. `make bench` runs it as scenario s.
 
     python -m bench.spec_bench --model qwen2.5-coder-0.5b-instruct
+    python -m bench.spec_bench --model qwen2.5-coder-1.5b-instruct \
+        --draft-model qwen2.5-coder-0.5b-instruct
 
 Each prompt runs greedy to its end or max_tokens through /v1/chat/completions, one after
 another; a fresh server of each kind, the same prompts. Only ratios from one run compare.
@@ -16,9 +19,11 @@ import time
 
 import httpx
 
-from bench.servers import free_port, llamaserve_command, running
+from bench.servers import free_port, llama_server_binary, llamaserve_command, running
+from model.weights.pypi_models import resolve_model_path
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 3}
+DRAFT_TOKENS = 4
 CODE = """def parse_line(line):
     fields = line.strip().split(",")
     name = fields[0]
@@ -57,7 +62,10 @@ PROMPTS = {
 }
 
 
-def tokens_per_s(base_url: str, prompts: list[str], max_tokens: int) -> float:
+def tokens_per_s(
+    base_url: str, prompts: list[str], max_tokens: int, texts: list[str] | None = None
+) -> float:
+    """Appends each answer to `texts`, when given."""
     tokens, wall = 0, 0.0
     with httpx.Client(base_url=base_url, timeout=600) as c:
         for prompt in prompts:
@@ -71,41 +79,98 @@ def tokens_per_s(base_url: str, prompts: list[str], max_tokens: int) -> float:
             wall += time.monotonic() - started
             r.raise_for_status()
             tokens += r.json()["usage"]["completion_tokens"]
+            if texts is not None:
+                texts.append(r.json()["choices"][0]["message"]["content"])
     return tokens / wall
 
 
 def race(
-    model: str | None, threads: int, max_tokens: int, extra: list[str], spec: dict = SPEC
+    model: str | None,
+    threads: int,
+    max_tokens: int,
+    extra: list[str],
+    spec: dict = SPEC,
+    draft: str | None = None,
+    draft_tokens: int = DRAFT_TOKENS,
 ) -> None:
+    """llamaserve without guessing, with n-gram lookup and, given a `draft` model, with
+    it; and then llama-server on the same pair, without and with `--model-draft`."""
     print(f"\ns: one client, greedy, {max_tokens} tokens at most, n-gram {json.dumps(spec)}")
+    variants = {"plain": [], "ngram": ["--speculative-config", json.dumps(spec)]}
+    if draft is not None:
+        draft_spec = {"model": draft, "num_speculative_tokens": draft_tokens}
+        variants["draft"] = ["--speculative-config", json.dumps(draft_spec)]
+        print(f"draft model {draft}, {draft_tokens} guesses a step on both servers")
     results: dict[str, dict[str, float]] = {}
-    for name, flags in (("plain", []), ("ngram", ["--speculative-config", json.dumps(spec)])):
+    answers: dict[str, list[str]] = {name: [] for name in variants}
+    for name, flags in variants.items():
         port = free_port()
         command = llamaserve_command(model or "", port, threads, [*flags, *extra])
         if model is None:  # the bundled model
             command.remove("")
-        with running(f"llamaserve-{name}", command, port) as server:
-            tokens_per_s(server.base_url, PROMPTS["chat"][:1], 16)  # warm-up
-            results[name] = {
-                kind: tokens_per_s(server.base_url, prompts, max_tokens)
-                for kind, prompts in PROMPTS.items()
-            }
-    print(f"{'prompts':<12}{'plain tok/s':>13}{'ngram tok/s':>13}{'ratio':>8}")
+        results[name] = measure(f"llamaserve-{name}", command, port, max_tokens, answers[name])
+    binary = llama_server_binary() if draft is not None and model is not None else None
+    if binary is not None:
+        target, drafter = resolve_model_path(model), resolve_model_path(draft)
+        for name, flags in (
+            ("llama-server", []),
+            ("llama-server-draft", ["--model-draft", str(drafter), "--spec-draft-n-max",
+                                    str(draft_tokens)]),
+        ):  # fmt: skip
+            port = free_port()
+            command = [
+                str(binary), "-m", str(target), "--host", "127.0.0.1", "--port", str(port),
+                "-t", str(threads), "--parallel", "1", "-c", "4096", "--no-webui", *flags,
+            ]  # fmt: skip
+            results[name] = measure(name, command, port, max_tokens)
+    for name in variants:
+        same = sum(a == b for a, b in zip(answers[name], answers["plain"], strict=True))
+        print(f"llamaserve-{name}: {same} of {len(answers['plain'])} answers as without guessing")
+    names = list(results)
+    print(f"{'prompts':<12}" + "".join(f"{n + ' tok/s':>24}" for n in names))
     for kind in PROMPTS:
-        plain, ngram = results["plain"][kind], results["ngram"][kind]
-        print(f"{kind:<12}{plain:>13.1f}{ngram:>13.1f}{ngram / plain:>7.2f}x")
+        print(f"{kind:<12}" + "".join(f"{results[n][kind]:>24.1f}" for n in names))
+    for kind in PROMPTS:
+        plain = results["plain"][kind]
+        ratios = [f"{n} {results[n][kind] / plain:.2f}x" for n in names if n != "plain"]
+        print(f"{kind}: against no speculation: {', '.join(ratios)}")
+        if "llama-server-draft" in results:
+            peer = results["llama-server-draft"][kind]
+            print(f"{kind}: llamaserve's draft against llama-server's: "
+                  f"{results['draft'][kind] / peer:.2f}x")  # fmt: skip
+
+
+def measure(
+    name: str, command: list[str], port: int, max_tokens: int, texts: list[str] | None = None
+) -> dict[str, float]:
+    with running(name, command, port) as server:
+        tokens_per_s(server.base_url, PROMPTS["chat"][:1], 16)  # warm-up
+        return {
+            kind: tokens_per_s(server.base_url, prompts, max_tokens, texts)
+            for kind, prompts in PROMPTS.items()
+        }
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="a path or PyPI model name (default: bundled)")
+    p.add_argument("--draft-model", default=None, help="a draft model for --model, to race too")
+    p.add_argument("--num-draft-tokens", type=int, default=DRAFT_TOKENS)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--speculative-config", default=json.dumps(SPEC), help="the n-gram config")
     p.add_argument("--llamaserve-args", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args(argv)
     spec = json.loads(args.speculative_config)
-    race(args.model, args.threads, args.max_tokens, args.llamaserve_args, spec)
+    race(
+        args.model,
+        args.threads,
+        args.max_tokens,
+        args.llamaserve_args,
+        spec,
+        args.draft_model,
+        args.num_draft_tokens,
+    )
 
 
 if __name__ == "__main__":

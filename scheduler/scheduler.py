@@ -51,7 +51,6 @@ class Scheduler:
         # share its full blocks by reference instead of computing them again.
         self.forks_pending: dict[str, list[Request]] = {}
         self.num_preemptions = 0
-        # Finished or aborted since the last schedule(): the runner forgets them.
         self._in_flight: dict[str, Request] = {}  # scheduled this step, by id
         self.structured = StructuredOutputManager()
         self.speculator = (
@@ -149,6 +148,8 @@ class Scheduler:
             # Guesses only while every running sequence could still grow by a block.
             roomy = speculating and self.kv.num_free_blocks > len(self.running)
             drafts = spec.drafts(req, budget - 1) if roomy and num_new == 1 else []
+            if drafts and req.request_id in self.structured:
+                drafts = self.structured.allowed_guesses(req.request_id, drafts)
             while not self.kv.allocate_slots(
                 req.request_id, req.all_token_ids, req.num_computed_tokens, num_new + len(drafts)
             ):
@@ -211,13 +212,16 @@ class Scheduler:
 
     def _fill_bitmasks(self, scheduled: list[ScheduledRequest]) -> None:
         """One batched mask computation for the constrained sequences that sample this
-        step; the others get no row and cost nothing."""
+        step, a row per position sampled; the others get no rows and cost nothing."""
         rows = [s for s in scheduled if s.sample and s.request_id in self.structured]
         if not rows:
             return
-        bitmask = self.structured.fill_bitmask([s.request_id for s in rows])
-        for index, row in enumerate(rows):
-            row.token_bitmask = bitmask[index]
+        guesses = [s.draft_token_ids for s in rows]
+        bitmask = self.structured.fill_bitmask([s.request_id for s in rows], guesses)
+        first = 0
+        for row in rows:
+            row.token_bitmask = bitmask[first : first + 1 + len(row.draft_token_ids)]
+            first += 1 + len(row.draft_token_ids)
 
     def update_from_output(
         self, out: SchedulerOutput, result: ModelRunnerOutput

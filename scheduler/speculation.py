@@ -169,7 +169,6 @@ def may_speculate(req: Request) -> bool:
         p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and p.repetition_penalty == 1.0
-        and p.grammar is None
         and req.may_stop
     )
     if not exact:
@@ -195,7 +194,9 @@ def draft_tokens(
     if limit < 1:
         return []
     if config.method == "draft_model":
-        return [DRAFT_SLOT] * limit
+        # A grammar masks each guess's row by the guesses before it, which the scheduler
+        # must know: a draft model's come too late.
+        return [DRAFT_SLOT] * limit if req.params.grammar is None else []
     return propose_ngram(
         req.all_token_ids, config.prompt_lookup_min, config.prompt_lookup_max, limit
     )

@@ -37,7 +37,8 @@ class ScheduledRequest:
     # First prompt position whose logprob is still owed, when this chunk computes some.
     prompt_logprobs_from: int | None = None
     # A constrained sequence that samples: the tokens its grammar allows next, one bit per
-    # token id (llguidance's int32 layout), a row of the step's one bitmask array.
+    # token id (llguidance's int32 layout), a row per position it samples (one, and one
+    # per guess), rows of the step's one bitmask array.
     token_bitmask: np.ndarray | None = None
     # Speculated tokens, the tail of new_token_ids (scheduler/speculation.py): the runner
     # takes the target's choice after each and reports how many it would have chosen.

@@ -17,7 +17,10 @@ from dataclasses import dataclass
 
 import llguidance
 import numpy as np
-from llguidance.numpy import fill_next_token_bitmask_par
+from llguidance.numpy import (
+    fill_next_token_bitmask_par,
+    fill_next_token_bitmask_par_with_draft_tokens,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +65,38 @@ class StructuredOutputManager:
         self._matchers.pop(request_id, None)
         self._grammars.pop(request_id, None)
 
-    def fill_bitmask(self, request_ids: list[str]) -> np.ndarray:
+    def fill_bitmask(
+        self, request_ids: list[str], guesses: list[list[int]] | None = None
+    ) -> np.ndarray:
         """Allowed next tokens of each sequence, one row each in llguidance's layout (bit
         `t % 32` of int32 word `t // 32` is set when token t may come next), computed in
-        one batched call that releases the GIL."""
+        one batched call that releases the GIL. A sequence with `guesses` (speculation,
+        all of them allowed: `allowed_guesses`) gets a row after each of them too, the
+        tokens allowed once the guesses before it are taken; the matcher itself does not
+        move."""
+        guesses = guesses or [[] for _ in request_ids]
         width = max(self._grammars[r].bitmask_width for r in request_ids)
-        bitmask = np.zeros((len(request_ids), width), dtype=np.int32)
+        bitmask = np.zeros((sum(1 + len(g) for g in guesses), width), dtype=np.int32)
         if self._executor is None:
             self._executor = llguidance.LLExecutor()
-        rows = [(self._matchers[r], i) for i, r in enumerate(request_ids)]
-        fill_next_token_bitmask_par(self._executor, rows, bitmask)
+        plain, guessing, first = [], [], 0
+        for request_id, tokens in zip(request_ids, guesses, strict=True):
+            matcher = self._matchers[request_id]
+            if tokens:
+                guessing.append((matcher, first, tokens))
+            else:
+                plain.append((matcher, first))
+            first += 1 + len(tokens)
+        if plain:
+            fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        if guessing:  # llguidance refuses an empty list of guesses here
+            fill_next_token_bitmask_par_with_draft_tokens(self._executor, guessing, bitmask)
         return bitmask
+
+    def allowed_guesses(self, request_id: str, tokens: list[int]) -> list[int]:
+        """The leading guesses the grammar allows: verifying any after the first it refuses
+        would be work thrown away."""
+        return tokens[: self._matchers[request_id].validate_tokens(tokens)]
 
     def accept(self, request_id: str, token_id: int) -> str | None:
         """Advances the sequence's matcher with its new token. Returns "stop" once the

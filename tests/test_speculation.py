@@ -20,6 +20,7 @@ from scheduler.speculation import (
     accepted,
     propose_ngram,
 )
+from server.structured.grammar import GrammarCompiler
 from tests.engine_driver import run_engine
 from tests.live_server import engine_config, running_server
 from tests.test_engine import engine_for
@@ -33,6 +34,16 @@ TEXTS = [
     "Repeat after me: red green blue, red green blue, red green blue,",
     "The capital of France is",
 ]
+# Repeated keys: JSON a lookup guesses well in.
+PEOPLE = {
+    "type": "array",
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    },
+    "minItems": 3,
+}
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64)
 
 
@@ -49,6 +60,9 @@ def requests(ours_default):
     reqs["stop_id"] = (encode(TEXTS[3]), params(stop_token_ids=encode(" blue")[-1:]))
     reqs["short"] = (encode(TEXTS[2]), params(max_tokens=7))
     reqs["pair"] = (encode(TEXTS[1]), params(n=2))
+    # Constrained: guesses within the grammar only, each row masked after those before it.
+    grammar = GrammarCompiler(ours_default.tokenizer).compile_sync("json", json.dumps(PEOPLE))
+    reqs["json"] = (encode(TEXTS[4]), params(max_tokens=48, grammar=grammar))
     # Sampled and seeded: its draws are its own at each position, with or without guesses.
     reqs["sampled"] = (encode(TEXTS[0]), params(temperature=0.8, seed=7, logprobs=None))
     return reqs
@@ -171,8 +185,9 @@ def test_draft_model_keeps_greedy_output(ours_default, requests, plain, small_dr
         assert accepted_total < 0.5 * drafted
 
 
-def test_alone_as_in_a_crowd(ours_default, requests, plain) -> None:
-    alone = {rid: requests[rid] for rid in ("r0", "stop", "short")}
+@pytest.mark.parametrize("ids", [("r0", "stop", "short"), ("json",)])
+def test_alone_as_in_a_crowd(ours_default, requests, plain, ids) -> None:
+    alone = {rid: requests[rid] for rid in ids}
     spec, _, accepted_total, _ = run_speculating(ours_default, alone, one_at_a_time=True)
     assert_same({k: v for k, v in plain.items() if k[0] in alone}, spec)
     assert accepted_total > 0

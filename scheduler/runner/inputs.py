@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from model.batch import Batch
@@ -55,7 +56,10 @@ def sampling_metadata(
     generators: list[torch.Generator | None],
     vocab_size: int,
     device: torch.device,
+    token_bitmasks: list[np.ndarray | None] | None = None,
 ) -> SamplingMetadata:
+    """`rows`: the sequence each sampled row belongs to; `token_bitmasks`: each row's
+    grammar mask, None for an unconstrained row."""
     ps = [s.params for s in rows]
     want = [p.logprobs for p in ps if p.logprobs is not None]
     return SamplingMetadata.build(
@@ -74,5 +78,5 @@ def sampling_metadata(
         num_logprobs=max(want, default=-1),
         vocab_size=vocab_size,
         device=device,
-        token_bitmasks=[s.token_bitmask for s in rows],
+        token_bitmasks=token_bitmasks,
     )

@@ -187,7 +187,12 @@ class ModelRunner:
                 for i in indices
                 for j in range(1 + len(scheduled[i].draft_token_ids))
             ]
-            meta = sampling_metadata(owners, generators, vocab, self.device)
+            masks = [
+                None if r.token_bitmask is None else r.token_bitmask[ahead]
+                for r in sampling
+                for ahead in range(1 + len(r.draft_token_ids))
+            ]
+            meta = sampling_metadata(owners, generators, vocab, self.device, masks)
             out = self.sampler(sampled_rows(logits, row_ids)[:, :vocab], meta)
             verified(sampling, sampled_tokens(owners, out), result)
         except Exception:
