@@ -25,6 +25,8 @@ from model.quantized_linear import Int8GroupLinear, QuantizedLinear, quantized_l
 from model.rope import rotary_embeddings
 
 logger = logging.getLogger(__name__)
+# Another quantization, and the linear layers ('layers.3.down_proj') that take it.
+WideLayers = tuple[str, frozenset[str]]
 
 
 class Llama(nn.Module):
@@ -86,18 +88,19 @@ class Llama(nn.Module):
             )
         return count
 
-    def quantize_linears(self, quantization: str) -> None:
-        """Swaps every decoder linear layer for an empty quantised one, before loading:
-        weights then stream straight into the quantised form. The output projection keeps
-        the model dtype: it is where 4 bits cost the most (GGUF files keep it at 8 bits or
-        more), and a tied one then shares the embedding's memory."""
-        for owner in self.layers:
+    def quantize_linears(self, quantization: str, wide: WideLayers | None = None) -> None:
+        """Swaps every decoder linear layer for an empty quantised one before loading, so
+        weights stream straight into the quantised form (`wide`'s layers into its own
+        quantization). The output projection keeps the model dtype: 4 bits cost the most
+        there (GGUF files keep it at 8 bits or more), and a tied one shares the embedding."""
+        wide_quantization, wide_layers = wide or (quantization, frozenset())
+        for index, owner in enumerate(self.layers):
             for name, child in list(owner.named_children()):
                 if isinstance(child, nn.Linear):
-                    replacement = quantized_linear(
-                        quantization, child.in_features, child.out_features, "meta"
-                    )
-                    setattr(owner, name, replacement)
+                    key = f"layers.{index}.{name}"
+                    own = wide_quantization if key in wide_layers else quantization
+                    shape = (child.in_features, child.out_features)
+                    setattr(owner, name, quantized_linear(own, *shape, "meta"))
 
     def quantize_head(self) -> None:
         """Swaps the output projection for an empty grouped-int8 one, before loading; a
@@ -125,15 +128,16 @@ class Llama(nn.Module):
         quantization: str | None = None,
         tp: TensorParallel | None = None,
         head_int8: bool = False,
+        wide: WideLayers | None = None,
     ) -> Llama:
         """A model with uninitialised weights: random init of a model about to be loaded
         costs seconds for nothing. With `quantization`, the linear layers are quantised
-        ones, filled as the weights load; with `head_int8`, the output projection too
-        (grouped int8, model/quantized_linear.py)."""
+        ones, filled as the weights load (`wide`'s layers in its own quantization); with
+        `head_int8`, the output projection too (grouped int8, model/quantized_linear.py)."""
         with torch.device("meta"):
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
-                model.quantize_linears(quantization)
+                model.quantize_linears(quantization, wide)
             if head_int8:
                 model.quantize_head()
         # The dtype is set while the tensors are still shapes: materialising in fp32 and
@@ -145,34 +149,6 @@ class Llama(nn.Module):
         model.tie_weights()  # materialising gives the tied weight two separate storages
         model.rope, model.rope_local = rotary_embeddings(config, max_position, device)
         return model
-
-    @classmethod
-    @torch.no_grad()
-    def random(
-        cls,
-        config: ModelConfig,
-        max_position: int | None = None,
-        device: torch.device | str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        seed: int = 0,
-        std: float = 0.02,
-        quantization: str | None = None,
-        tp: TensorParallel | None = None,
-    ) -> Llama:
-        """A model with seeded random weights (matrices N(0, std), norm gains 1), drawn on
-        `device` itself: PyTorch's default init on the CPU takes minutes at 8B parameters."""
-        model = cls.empty(config, max_position, device, dtype, quantization, tp)
-        generator = torch.Generator(device=device).manual_seed(seed)
-        for param in model.parameters():  # a tied weight is listed once
-            if param.dim() == 1:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, std, generator=generator)
-        for module in model.quantized_modules().values():
-            shape = (module.out_features, module.in_features)
-            weight = torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
-            module.load_rows(0, weight)
-        return model.eval()
 
     @torch.inference_mode()
     def forward(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:

@@ -9,9 +9,11 @@ from pathlib import Path
 
 import torch
 
+from model.checkpoint.meta import read_llama3_tokenizer
+from model.config import ModelConfig
 from model.errors import ModelFileError
 from model.llama import Llama
-from model.loader import LoadedModel, read_llama3_tokenizer, use_kernels, weight_format_for
+from model.loader import LoadedModel, use_kernels, weight_format_for
 from model.parallel.plan import TensorParallel
 from model.presets import preset_config
 from model.text.llama3_chat import llama3_chat_format
@@ -52,7 +54,7 @@ def load_random_model(
         dtype, quantization = tp.same_format_on_every_rank(dtype, quantization, device)
         seed += tp.rank
     fmt = weight_format_for(dtype, quantization, config, device, None, batch_invariant)
-    model = Llama.random(
+    model = random_llama(
         config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization, tp=tp
     )
     use_kernels(model, attention_backend, device)
@@ -69,3 +71,30 @@ def load_random_model(
     )
     template = llama3_chat_format(tokenizer)
     return LoadedModel(f"{preset}-random", Path(preset), config, model, tokenizer, template)
+
+
+@torch.no_grad()
+def random_llama(
+    config: ModelConfig,
+    max_position: int | None = None,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    std: float = 0.02,
+    quantization: str | None = None,
+    tp: TensorParallel | None = None,
+) -> Llama:
+    """A model with seeded random weights (matrices N(0, std), norm gains 1), drawn on
+    `device` itself: PyTorch's default init on the CPU takes minutes at 8B parameters."""
+    model = Llama.empty(config, max_position, device, dtype, quantization, tp)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    for param in model.parameters():  # a tied weight is listed once
+        if param.dim() == 1:
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=generator)
+    for module in model.quantized_modules().values():
+        shape = (module.out_features, module.in_features)
+        weight = torch.empty(shape, device=device).normal_(0.0, std, generator=generator)
+        module.load_rows(0, weight)
+    return model.eval()

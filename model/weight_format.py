@@ -40,15 +40,22 @@ NEAR_TIE = 0.25
 class WeightFormat:
     dtype: torch.dtype
     quantization: str | None = None  # one of QUANTIZATIONS, or None: weights in `dtype`
+    # The quantization of the layers a GGUF stores in more bits than `quantization` holds
+    # (Q6_K layers of a Q4_K_M file beside its Q4_K ones), or None: every layer alike.
+    wide: str | None = None
 
     @property
     def bits_per_weight(self) -> int:
+        if self.wide is not None:
+            return 6  # between its two formats: more compact than `wide` alone
         if self.quantization is not None:
             return {"int8": 8, "int8g": 8, "int4": 4, "w4a8": 4}[self.quantization]
         return torch.finfo(self.dtype).bits
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.")
+        if self.wide is not None:
+            return f"{dtype} + {self.quantization} ({self.wide} where the file has more bits)"
         return f"{dtype} + {self.quantization}" if self.quantization else dtype
 
 
@@ -58,9 +65,11 @@ def candidate_formats(
     checkpoint_bits: int | None,
     device: torch.device,
     batch_invariant: bool = False,
+    some_4_bit: bool = False,
 ) -> list[WeightFormat]:
     """The formats the flags allow. checkpoint_bits: the widest of the linear weights'
-    quantised types (4 for a Q4 GGUF), or None for float weights. batch_invariant keeps
+    quantised types (4 for a Q4 GGUF), or None for float weights; `some_4_bit`: some
+    linear layers are stored in 4 bits, though others are wider. batch_invariant keeps
     activations in float32: with bf16 ones, rounding that depends on the batch's shape
     flips some greedy tokens (4 of 16 test prompts); the packed int4/int8 kernels are
     row-independent and stay allowed."""
@@ -98,10 +107,15 @@ def candidate_formats(
     # Grouped int8 (groups of 32, a scale each) holds Q8_0 exactly, and Q5_0, Q6_K and the
     # other 4- to 6-bit types within a sixteenth of their own step: what a Q4_K_M file's mix
     # of Q4_K, Q5_0 and Q6_K layers runs in when timing prefers it to bf16.
+    # A file mixing 4-bit layers with wider ones (Q4_K_M) may run each in its own: int4
+    # where it is exact, grouped int8 elsewhere.
     if checkpoint_bits <= 4:
         return [*floats, WeightFormat(torch.bfloat16, "int4")]
     if checkpoint_bits <= 8:
-        return [*floats, WeightFormat(torch.bfloat16, "int8g")]
+        int8g = WeightFormat(torch.bfloat16, "int8g")
+        if not some_4_bit:
+            return [*floats, int8g]
+        return [*floats, int8g, WeightFormat(torch.bfloat16, "int4", wide="int8g")]
     return floats
 
 
@@ -128,7 +142,8 @@ def int4_fits(config: ModelConfig) -> bool:
 def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) -> float:
     """Milliseconds the linear layers of one forward take in `fmt`, over a few batch sizes
     (geometric mean): one decoder layer's four shapes, times the number of layers, plus
-    the output projection."""
+    the output projection. A format with `wide` layers is timed as if all were in its
+    `quantization`: what it asks is whether int4 beats grouped int8 here at all."""
     shapes = _linear_shapes(config)
     layers: list[Callable[[torch.Tensor], torch.Tensor]] = []
     for in_features, out_features in shapes:
@@ -197,8 +212,11 @@ def resolve_weight_format(
     quantization: str,
     checkpoint_bits: int | None,
     batch_invariant: bool = False,
+    some_4_bit: bool = False,
 ) -> WeightFormat:
-    candidates = candidate_formats(dtype, quantization, checkpoint_bits, device, batch_invariant)
+    candidates = candidate_formats(
+        dtype, quantization, checkpoint_bits, device, batch_invariant, some_4_bit
+    )
     if not int4_fits(config):
         int4 = ("int4", "w4a8", "int8g")  # the same groups of 32
         if all(c.quantization in int4 for c in candidates):

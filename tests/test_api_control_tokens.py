@@ -18,8 +18,8 @@ import pytest
 
 from model.config import ModelConfig
 from model.greedy import greedy_tokens
-from model.llama import Llama
 from model.loader import LoadedModel
+from model.random_model import random_llama
 from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import Llama3ChatFormat, llama3_chat_format
 from model.text.llama3_tokenizer import llama3_tokenizer
@@ -111,7 +111,7 @@ def llama3_server(request):
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
         vocab_size=tok.vocab_size, rope_theta=500000.0, max_position=1024,
     )  # fmt: skip
-    model = Llama.random(config, seed=3)
+    model = random_llama(config, seed=3)
     loaded = LoadedModel("tiny-llama3", meta_tokenizer_path(), config, model, tok, None)
     if request.param == "meta-format":
         loaded = dataclasses.replace(loaded, chat_template=llama3_chat_format(tok))

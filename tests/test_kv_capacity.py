@@ -75,14 +75,14 @@ def test_gpu_kv_budget_is_what_the_profiled_peak_leaves() -> None:
 def test_largest_step_runs_the_model_and_the_sampler_on_a_scratch_cache() -> None:
     """The profiling step itself, on the CPU: a token budget spread over the sequences,
     every sampler option on; the scratch cache holds exactly the step's blocks."""
-    from model.llama import Llama
+    from model.random_model import random_llama
     from model.sampler import Sampler
     from scheduler.runner.memory_profile import run_largest_step
 
     config = ModelConfig(
         dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, vocab_size=512
     )
-    model = Llama.random(config)
+    model = random_llama(config)
     calls = []
 
     class CountingSampler(Sampler):

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from model.config import ModelConfig
-from model.llama import Llama
+from model.random_model import random_llama
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.kv_cache import KVCacheManager
@@ -167,7 +167,7 @@ def small_draft(ours_default):
         max_position=c.max_position,
         tie_embeddings=True,
     )
-    return Llama.random(config, std=0.5)
+    return random_llama(config, std=0.5)
 
 
 @pytest.mark.parametrize("draft", ["itself", "small"])

@@ -4,12 +4,16 @@ logits against the fp32 model on the same weights (tolerances stated per format)
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType
 
+from model import weight_format
 from model.batch import Batch
 from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
 from model.llama import Llama
+from model.loader import load_model
 from model.paged_cache import PagedKVCache
+from model.quantized_linear import Int4Linear, Int8GroupLinear
 from model.weight_format import (
     WeightFormat,
     candidate_formats,
@@ -18,12 +22,14 @@ from model.weight_format import (
     resolve_weight_format,
 )
 from model.weights.safetensors import iter_safetensors, safetensors_files
-from tests.tiny_models import make_tiny_llama
+from tests.tiny_families import write_gguf
+from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 
 CPU = torch.device("cpu")
 FP32, BF16 = WeightFormat(torch.float32), WeightFormat(torch.bfloat16)
 INT8, INT4 = WeightFormat(torch.bfloat16, "int8"), WeightFormat(torch.bfloat16, "int4")
 W4A8, INT8G = WeightFormat(torch.bfloat16, "w4a8"), WeightFormat(torch.bfloat16, "int8g")
+MIXED = WeightFormat(torch.bfloat16, "int4", wide="int8g")  # int4 where the file is 4-bit
 
 
 def test_the_fastest_candidate_wins() -> None:
@@ -69,6 +75,22 @@ def test_auto_never_quantises_below_the_checkpoint() -> None:
     assert candidate_formats("auto", "auto", 4, torch.device("cuda")) == [BF16]
     with pytest.raises(ValueError, match="CPU only"):
         candidate_formats("auto", "int4", 4, torch.device("cuda"))
+
+
+def test_a_file_mixing_4_bit_and_wider_layers_may_run_each_in_its_own() -> None:
+    # A Q4_K_M file: Q4_K layers beside Q6_K ones.
+    assert candidate_formats("auto", "auto", 6, CPU, some_4_bit=True) == [
+        FP32,
+        BF16,
+        INT8G,
+        MIXED,
+    ]
+    # Where int4 beats grouped int8, and where it does not by more than a near tie.
+    timings = {FP32: 300.0, BF16: 110.0, INT8G: 90.0, MIXED: 60.0}
+    assert choose_weight_format([FP32, BF16, INT8G, MIXED], timings.__getitem__) == MIXED
+    timings[MIXED] = 130.0
+    assert choose_weight_format([FP32, BF16, INT8G, MIXED], timings.__getitem__) == INT8G
+    assert MIXED.describe() == "bfloat16 + int4 (int8g where the file has more bits)"
 
 
 def test_batch_invariant_keeps_float32_activations() -> None:
@@ -142,3 +164,41 @@ def test_every_format_tracks_its_fp32_twin(tiny_dir, dtype, quantization) -> Non
     reference = logprobs(load_tiny(tiny_dir, torch.float32, None))
     ours = logprobs(load_tiny(tiny_dir, dtype, quantization))
     assert (ours - reference).abs().max().item() < FORMATS[(dtype, quantization)]
+
+
+def test_a_mixed_gguf_runs_its_4_bit_layers_in_int4_and_the_rest_in_int8g(
+    tmp_path, monkeypatch
+) -> None:
+    """As a Q4_K_M file does, some V and down projections stored wider than the rest."""
+    hf_dir = tmp_path / "hf"
+    hf = make_tiny_llama(hf_dir, "gqa")
+    write_tiny_tokenizer(hf_dir)
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    types = {f"blk.{i}.{n}.weight": GGMLQuantizationType.Q4_1 for i in (0, 1) for n in names}
+    types["blk.0.attn_v.weight"] = GGMLQuantizationType.Q8_0
+    types["blk.1.ffn_down.weight"] = GGMLQuantizationType.Q5_0
+    path = write_gguf(hf, "llama", hf_dir, tmp_path / "mixed.gguf", types=types)
+    # A machine where int4 is the fastest: the choice itself is timing's (tests above).
+    monkeypatch.setattr(
+        weight_format, "layer_step_ms", lambda c, fmt, d: 1.0 if fmt.quantization else 9.0
+    )
+    mixed = load_model(path, dtype="auto", quantization="auto", progress=False).model
+    kinds = [
+        [type(getattr(layer, p)) for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
+        for layer in mixed.layers
+    ]
+    assert kinds == [
+        [Int8GroupLinear, Int4Linear, Int4Linear, Int4Linear],
+        [Int4Linear, Int4Linear, Int4Linear, Int8GroupLinear],
+    ]
+    # int4 holds Q4_1 and grouped int8 Q8_0 exactly, Q5_0 within a sixteenth of its step:
+    # what is left is bf16 activations, as for bf16 + int8g on float weights.
+    exact = load_model(path, dtype="float32", quantization="none", progress=False).model
+    ids = list(range(3, 60, 2))
+
+    def logprobs(model: Llama) -> torch.Tensor:
+        cache = PagedKVCache.allocate(model.config, 4, 16, model.embed_tokens.weight.dtype)
+        batch = Batch.build([ids], [0], [[0, 1]], 16, all_logits=True)
+        return torch.log_softmax(model(batch, cache).float(), dim=-1)
+
+    assert (logprobs(mixed) - logprobs(exact)).abs().max().item() < 0.1

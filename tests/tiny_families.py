@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter
+from gguf.quants import quantize
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -132,10 +133,11 @@ def write_gguf(
     path: Path,
     tokenizer_model: str = "gpt2",
     pre: str = "gpt-2",
+    types: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
-    """The model's weights as float32 GGUF tensors, its config as `<arch>.*` metadata and
-    the tokenizer of `hf_dir` as a GGUF vocabulary (`gpt2`, byte-level BPE, unless the
-    test names another)."""
+    """The model's weights as float32 GGUF tensors (those `types` names quantised by the
+    `gguf` package), its config as `<arch>.*` metadata and the tokenizer of `hf_dir` as a
+    GGUF vocabulary (`gpt2`, byte-level BPE, unless the test names another)."""
     c = model.config
     arch = PERMUTED.get(family, family)
     writer = GGUFWriter(str(path), arch)
@@ -175,7 +177,12 @@ def write_gguf(
             data = _interleave(data, c.num_key_value_heads)
         elif family == "gemma3" and name.endswith("norm.weight"):
             data = data + 1
-        writer.add_tensor(_gguf_name(name, family), data)
+        gguf_name = _gguf_name(name, family)
+        qtype = (types or {}).get(gguf_name)
+        if qtype is None:
+            writer.add_tensor(gguf_name, data)
+        else:
+            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

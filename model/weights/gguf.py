@@ -120,6 +120,27 @@ def linear_weight_bits(gguf: GGUFFile) -> int | None:
     return max(bits)
 
 
+# The fused linear layer each GGUF matrix loads into (model/llama.py).
+_FUSED_INTO = {
+    "attn_q": "qkv_proj", "attn_k": "qkv_proj", "attn_v": "qkv_proj",
+    "attn_output": "o_proj", "ffn_gate": "gate_up_proj", "ffn_up": "gate_up_proj",
+    "ffn_down": "down_proj",
+}  # fmt: skip
+
+
+def wide_linears(gguf: GGUFFile, bits: int = 4) -> frozenset[str]:
+    """Our linear layers ('layers.3.down_proj') that load a matrix stored in more than
+    `bits` bits: a Q4_K_M file keeps some V and down projections in Q6_K, which int4
+    would round, while the rest of its layers fit int4 exactly."""
+    wide = set()
+    for t in gguf.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        if m and m.group(2) in _FUSED_INTO and m.group(3) == "weight":
+            if _TYPE_BITS.get(t.tensor_type.name, 16) > bits:
+                wide.add(f"layers.{m.group(1)}.{_FUSED_INTO[m.group(2)]}")
+    return frozenset(wide)
+
+
 # Types whose groups of 32 are symmetric, one scale each: grouped int8 holds them exactly.
 _EXACT_IN_INT8 = ("Q8_0", "Q5_0", "Q4_0")
 

@@ -1,0 +1,52 @@
+"""What every checkpoint format answers (model/checkpoint/__init__.py)."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from model.config import ModelConfig
+from model.errors import ModelFileError, TokenizerError
+from model.parallel.plan import TensorParallel
+from model.text.chat_template import ChatTemplate
+from model.text.tokenizer import Tokenizer
+
+Weights = Iterator[tuple[str, torch.Tensor]]
+
+
+class Checkpoint(ABC):
+    path: Path
+    name: str
+    config: ModelConfig
+    num_tensors: int  # what `weights` yields, for the progress bar
+    # The widest quantised type of the linear weights (4 for a Q4 GGUF), or None for float
+    # weights: how far the weight format may requantise without losing what the file holds.
+    checkpoint_bits: int | None = None
+    # Linear layers ('layers.3.down_proj') stored in more than 4 bits beside 4-bit ones.
+    wide_linears: frozenset[str] = frozenset()
+    # The output projection is stored in a type grouped int8 holds exactly.
+    head_exact_in_int8: bool = False
+
+    @abstractmethod
+    def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
+        """HF-named tensors in `dtype` (quantised GGUF blocks dequantised), and whether
+        they are already `tp`'s rank's slices (else the loader cuts them)."""
+
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer: ...
+
+    def chat_template(self, tokenizer: Tokenizer) -> ChatTemplate | None:
+        """The checkpoint's own Jinja template, None where it ships none."""
+        return None
+
+
+def named_tokenizer(path: Path, read: Callable[[Any], Tokenizer], source: Any) -> Tokenizer:
+    """A tokenizer we cannot reproduce is one sentence naming the file, as all else is."""
+    try:
+        return read(source)
+    except TokenizerError as exc:
+        raise ModelFileError(f"{path}: {exc}") from None

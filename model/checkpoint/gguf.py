@@ -1,0 +1,55 @@
+"""A GGUF file: config, tokenizer and template from its metadata, weights dequantised from
+its blocks (llama.cpp's row order of Q and K undone)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from model.checkpoint.base import Checkpoint, Weights, named_tokenizer
+from model.config import ModelConfig
+from model.parallel.plan import TensorParallel
+from model.text.chat_template import ChatTemplate
+from model.text.tokenizer import Tokenizer
+from model.text.tokenizer_files import tokenizer_from_gguf
+from model.weights.default_model import DEFAULT_MODEL_NAME, default_model_path
+from model.weights.gguf import (
+    check_tensor_types,
+    count_gguf_tensors,
+    iter_gguf_weights,
+    linear_weight_bits,
+    output_exact_in_int8,
+    wide_linears,
+)
+from model.weights.gguf_file import open_gguf
+
+
+class GGUFCheckpoint(Checkpoint):
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.gguf = open_gguf(path)
+        check_tensor_types(self.gguf)
+        names = {t.name for t in self.gguf.tensors}
+        self.config = ModelConfig.from_gguf_metadata(self.gguf.metadata, names, source=str(path))
+        self.num_tensors = count_gguf_tensors(self.gguf)
+        self.checkpoint_bits = linear_weight_bits(self.gguf)
+        self.wide_linears = wide_linears(self.gguf)
+        self.head_exact_in_int8 = output_exact_in_int8(self.gguf)
+        self.name = DEFAULT_MODEL_NAME if path == _default_path() else path.stem
+
+    def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
+        return iter_gguf_weights(self.gguf, self.config, dtype), False
+
+    def tokenizer(self) -> Tokenizer:
+        return named_tokenizer(self.path, tokenizer_from_gguf, self.gguf.metadata)
+
+    def chat_template(self, tokenizer: Tokenizer) -> ChatTemplate | None:
+        return ChatTemplate.from_gguf_metadata(self.gguf.metadata, tokenizer)
+
+
+def _default_path() -> Path | None:
+    try:
+        return default_model_path()
+    except RuntimeError:
+        return None
