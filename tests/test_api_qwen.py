@@ -30,7 +30,8 @@ PERSON = {
 
 @pytest.fixture(scope="module")
 def client():
-    loaded = load_model(pypi_model_path("qwen2.5-coder-0.5b-instruct"), progress=False)
+    path = pypi_model_path("qwen2.5-coder-0.5b-instruct")
+    loaded = load_model(path, dtype="auto", quantization="auto", progress=False)
     with running_server(loaded) as live:
         yield OpenAI(base_url=live.v1, api_key="unused"), loaded.name
 

@@ -174,7 +174,8 @@ def small_draft(ours_default):
 def test_draft_model_keeps_greedy_output(ours_default, requests, plain, small_draft, draft):
     """Every request at once, prompts in chunks, and a cache that holds too few blocks."""
     model = ours_default.model if draft == "itself" else small_draft
-    some = {rid: requests[rid] for rid in ("r0", "r1", "stop_id", "pair", "sampled")}
+    ids = ("r0", "r1", "stop_id", "pair") + (("sampled",) if draft == "itself" else ())
+    some = {rid: requests[rid] for rid in ids}
     spec, drafted, accepted_total, preemptions = run_speculating(
         ours_default, some, draft=model, max_num_batched_tokens=12, kv_cache_memory=KV[draft]
     )
