@@ -4,6 +4,7 @@ after preemption, with stop strings, stop tokens and max_tokens landing inside a
 accepted run; the proposer, the acceptance rule, the config and the KV bookkeeping."""
 
 import json
+from dataclasses import replace
 
 import httpx
 import pytest
@@ -44,6 +45,9 @@ PEOPLE = {
     },
     "minItems": 3,
 }
+DRAFT = SpeculativeConfig(
+    num_speculative_tokens=3, disable_by_batch_size=64, method="draft_model", model="draft"
+)
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64)
 
 
@@ -83,10 +87,8 @@ def run_speculating(
 ):
     """`one_at_a_time`: each request alone in the engine, after the one before finished.
     `draft`: a draft model (a `Llama`) guesses instead of n-gram lookup."""
-    if draft is not None:
-        spec = SpeculativeConfig(
-            num_speculative_tokens=3, disable_by_batch_size=64, method="draft_model", model="draft"
-        )
+    if draft is not None and spec is NGRAM:
+        spec = DRAFT
     config = EngineConfig(speculative=spec, **{**BUDGET, **engine})
     e = create_engine(loaded.model, loaded.tokenizer, config, draft)
     drafted = accepted_total = 0
@@ -185,6 +187,19 @@ def test_draft_model_keeps_greedy_output(ours_default, requests, plain, small_dr
         assert accepted_total > 0.95 * drafted > 0
     else:
         assert accepted_total < 0.5 * drafted
+
+
+def test_a_draft_that_sat_out_crowded_steps_catches_up(ours_default, requests, plain) -> None:
+    """Above disable_by_batch_size nobody guesses and the draft does not run; once the
+    short requests have finished, the others guess, the draft first computing what it
+    missed. The target as its own draft: every guess is right only if it did."""
+    some = {rid: requests[rid] for rid in ("short", "stop", "r0", "r1", "pair")}
+    spec = replace(DRAFT, disable_by_batch_size=4)
+    results, drafted, accepted_total, _ = run_speculating(
+        ours_default, some, draft=ours_default.model, spec=spec
+    )
+    assert_same({k: v for k, v in plain.items() if k[0] in some}, results)
+    assert accepted_total > 0.95 * drafted > 0
 
 
 @pytest.mark.parametrize("ids", [("r0", "stop", "short"), ("json",)])

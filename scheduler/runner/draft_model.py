@@ -3,12 +3,12 @@ each speculating sequence's next tokens, greedily, and the target verifies them 
 own forward as it verifies n-gram guesses (scheduler/speculation.py).
 
 The draft keeps a paged KV cache of its own with as many blocks as the target's,
-addressed by the same block tables: the scheduler's allocation, prefix cache, trims of
-rejected guesses and preemption cover both caches at once, with nothing to keep in step.
-Every step the draft computes the tokens the target computes (prompt chunks included),
-so its cache follows the target's. A sequence's guesses then take k one-token steps of
-the draft, the last guess never fed: where every guess is accepted, the next step feeds
-it before the sequence's new token.
+addressed by the same block tables: the scheduler's allocation, trims of rejected
+guesses and preemption cover both caches at once. The draft runs only in steps where
+some sequence guesses (above `disable_by_batch_size` running sequences nobody does, and
+a draft that ran anyway would slow every step); then it computes what each of the
+step's sequences feeds, after the positions it missed since it last saw them, and takes
+k one-token steps for the guessing ones.
 
 The draft's cache is only ever the context of a guess. The target decides every token,
 so a draft position computed from stale context costs acceptance, never correctness.
@@ -37,29 +37,33 @@ class DraftModel:
         self.kv_cache = PagedKVCache.allocate(
             model.config, num_blocks, block_size, weight.dtype, weight.device
         )
-        # Per sequence, the (position, token) of the last guess of its previous step, which
-        # the draft never computed. Kept for one step: a sequence not scheduled in the next
-        # loses it, and its draft context has one stale position.
-        self._unfed: dict[str, tuple[int, int]] = {}
+        # Per sequence, how many of its positions the draft's cache holds, as of the last
+        # step the draft ran; only that step's sequences are kept.
+        self._done: dict[str, int] = {}
 
     def propose(self, scheduled: list[ScheduledRequest], vocab: int) -> list[ScheduledRequest]:
         """The step's sequences, each speculating one with its reserved guess slots
         (`draft_token_ids`) filled by the draft's greedy choices among the first `vocab`
-        ids (those the target may sample)."""
-        unfed, self._unfed = self._unfed, {}
-        tokens, starts = [], []
-        for s in scheduled:
-            fed = s.new_token_ids[: len(s.new_token_ids) - len(s.draft_token_ids)]
-            start = s.num_computed_tokens
-            behind = unfed.get(s.request_id)
-            if behind is not None and behind[0] == start - 1:
-                fed, start = [behind[1], *fed], start - 1
-            tokens.append(fed)
-            starts.append(start)
-        logits = self._forward(tokens, starts, [s.block_table for s in scheduled])
+        ids (those the target may sample). A step where nobody guesses costs nothing: the
+        draft catches up on what it missed when a sequence guesses again."""
         guessing = [i for i, s in enumerate(scheduled) if s.draft_token_ids]
         if not guessing:
             return scheduled
+        done, self._done = self._done, {}
+        tokens, starts = [], []
+        for s in scheduled:
+            start = s.num_computed_tokens
+            fed = s.new_token_ids[: len(s.new_token_ids) - len(s.draft_token_ids)]
+            # Positions the draft missed (steps it skipped, guesses all accepted, a
+            # sequence it never saw) are computed first; after a preemption or a rejected
+            # guess it holds more than the target kept, and recomputes from `start`.
+            behind = min(done.get(s.request_id, 0), start)
+            if behind < start:
+                fed = (s.prompt_ids + s.output_ids)[behind:start] + fed
+            tokens.append(fed)
+            starts.append(behind)
+            self._done[s.request_id] = behind + len(fed)
+        logits = self._forward(tokens, starts, [s.block_table for s in scheduled])
         guesses = {
             i: [token]
             for i, token in zip(guessing, self._choose(logits, guessing, vocab), strict=True)
@@ -77,7 +81,9 @@ class DraftModel:
         filled = list(scheduled)
         for i, guess in guesses.items():
             s = scheduled[i]
-            self._unfed[s.request_id] = (s.num_computed_tokens + len(guess), guess[-1])
+            # Every guess but the last was fed: if all are accepted the last is the one
+            # position the next step's catch-up computes.
+            self._done[s.request_id] += len(guess) - 1
             fed = s.new_token_ids[: len(s.new_token_ids) - len(guess)]
             filled[i] = replace(s, new_token_ids=fed + guess, draft_token_ids=guess)
         return filled
