@@ -14,7 +14,7 @@ from scheduler.request import SamplingParams
 from tests.engine_driver import run_engine
 from tests.native_builds import MACHINE_ISAS
 
-MAX_TOKENS = 20
+MAX_TOKENS = 16
 SHARED = (
     "You are a meticulous assistant. Answer every question with care, cite the reasons for "
     "each step, and keep the answer short. Question: "
