@@ -59,8 +59,8 @@ def run(scenario: Scenario, prompts: list[list[int]], model: Path, extra: list[s
 
 
 def main(argv: list[str] | None = None) -> None:
-    from model.loader import default_model_path_or_none
     from model.text.tokenizer_files import tokenizer_from_gguf
+    from model.weights.default_model import default_model_path_or_none
     from model.weights.gguf_file import open_gguf
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

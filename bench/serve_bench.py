@@ -207,8 +207,8 @@ def report(scenario: Scenario, results: dict[str, tuple[RunStats, int]]) -> None
 
 
 def main(argv: list[str] | None = None) -> None:
-    from model.loader import default_model_path_or_none
     from model.text.tokenizer_files import tokenizer_from_gguf
+    from model.weights.default_model import default_model_path_or_none
     from model.weights.gguf_file import open_gguf
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

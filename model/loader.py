@@ -197,10 +197,3 @@ def _attention_backend(name: str, device: str) -> AttentionBackend:
         return attention_backend(name, device)
     except ValueError as exc:
         raise UnsupportedFormatError(str(exc)) from None
-
-
-def default_model_path_or_none() -> Path | None:
-    try:
-        return default_model_path()
-    except RuntimeError:
-        return None

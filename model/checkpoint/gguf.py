@@ -13,7 +13,7 @@ from model.parallel.plan import TensorParallel
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
 from model.text.tokenizer_files import tokenizer_from_gguf
-from model.weights.default_model import DEFAULT_MODEL_NAME, default_model_path
+from model.weights.default_model import DEFAULT_MODEL_NAME, default_model_path_or_none
 from model.weights.gguf import (
     check_tensor_types,
     count_gguf_tensors,
@@ -36,7 +36,7 @@ class GGUFCheckpoint(Checkpoint):
         self.checkpoint_bits = linear_weight_bits(self.gguf)
         self.wide_linears = wide_linears(self.gguf)
         self.head_exact_in_int8 = output_exact_in_int8(self.gguf)
-        self.name = DEFAULT_MODEL_NAME if path == _default_path() else path.stem
+        self.name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
 
     def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
         return iter_gguf_weights(self.gguf, self.config, dtype), False
@@ -46,10 +46,3 @@ class GGUFCheckpoint(Checkpoint):
 
     def chat_template(self, tokenizer: Tokenizer) -> ChatTemplate | None:
         return ChatTemplate.from_gguf_metadata(self.gguf.metadata, tokenizer)
-
-
-def _default_path() -> Path | None:
-    try:
-        return default_model_path()
-    except RuntimeError:
-        return None

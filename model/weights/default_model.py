@@ -29,3 +29,10 @@ def default_model_path() -> Path:
         if path.is_file():
             return path
     raise DefaultModelMissing(f"package {DEFAULT_MODEL_PACKAGE} has no {DEFAULT_MODEL_FILE}")
+
+
+def default_model_path_or_none() -> Path | None:
+    try:
+        return default_model_path()
+    except RuntimeError:
+        return None
