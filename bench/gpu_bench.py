@@ -31,7 +31,9 @@ import torch
 from bench.loadgen import make_prompt, run_closed_loop
 from bench.servers import free_port, llamaserve_command, running
 from model.batch import Batch
-from model.loader import LoadedModel, default_model_path_or_none, load_model, load_random_model
+from model.loader import LoadedModel, load_model
+from model.random_model import load_random_model
+from model.weights.default_model import default_model_path_or_none
 from scheduler.config import EngineConfig
 from scheduler.runner.model_runner import ModelRunner
 
