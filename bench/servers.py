@@ -89,12 +89,21 @@ def llamaserve_command(model: Path, port: int, threads: int, extra: list[str]) -
     ]  # fmt: skip
 
 
-def llama_server_command(binary: Path, model: Path, port: int, threads: int) -> list[str]:
-    # 32 slots sharing a 32768-token context: room for every scenario, and the set-up the
-    # published peer figures were taken with.
+def llama_server_command(
+    binary: Path,
+    model: Path,
+    port: int,
+    threads: int,
+    slots: int = 32,
+    context: int = 32768,
+    extra: tuple[str, ...] = (),
+) -> list[str]:
+    """By default 32 slots sharing a 32768-token context: room for every scenario, and the
+    set-up the published peer figures were taken with."""
     return [
         str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port),
-        "-t", str(threads), "--parallel", "32", "-c", "32768", "--no-webui",
+        "-t", str(threads), "--parallel", str(slots), "-c", str(context), "--no-webui",
+        *extra,
     ]  # fmt: skip
 
 

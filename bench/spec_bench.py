@@ -19,7 +19,13 @@ import time
 
 import httpx
 
-from bench.servers import free_port, llama_server_binary, llamaserve_command, running
+from bench.servers import (
+    free_port,
+    llama_server_binary,
+    llama_server_command,
+    llamaserve_command,
+    running,
+)
 from model.weights.pypi_models import resolve_model_path
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 3}
@@ -112,16 +118,12 @@ def race(
     binary = llama_server_binary() if draft is not None and model is not None else None
     if binary is not None:
         target, drafter = resolve_model_path(model), resolve_model_path(draft)
-        for name, flags in (
-            ("llama-server", []),
-            ("llama-server-draft", ["--model-draft", str(drafter), "--spec-draft-n-max",
-                                    str(draft_tokens)]),
-        ):  # fmt: skip
+        draft_flags = ("--model-draft", str(drafter), "--spec-draft-n-max", str(draft_tokens))
+        for name, flags in (("llama-server", ()), ("llama-server-draft", draft_flags)):
             port = free_port()
-            command = [
-                str(binary), "-m", str(target), "--host", "127.0.0.1", "--port", str(port),
-                "-t", str(threads), "--parallel", "1", "-c", "4096", "--no-webui", *flags,
-            ]  # fmt: skip
+            command = llama_server_command(
+                binary, target, port, threads, slots=1, context=4096, extra=flags
+            )
             results[name] = measure(name, command, port, max_tokens)
     for name in variants:
         same = sum(a == b for a, b in zip(answers[name], answers["plain"], strict=True))
