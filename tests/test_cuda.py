@@ -47,13 +47,19 @@ def test_triton_fp32_matches_cpu_reference(cpu_fp32) -> None:
 
 
 def test_bf16_agrees_with_fp32(cpu_fp32) -> None:
-    """bf16 weights and cache: the argmax of nearly every position agrees with fp32."""
+    """bf16 weights and cache on the GPU land no further from fp32 than the CPU's bf16 path
+    does (log-probabilities, which a shift common to every logit leaves alone; bf16 moves
+    this model's logits by up to 1.3 on the CPU too), and the argmax of nearly every
+    position agrees with fp32."""
     gpu = load_model(device="cuda", dtype="bfloat16", progress=False)
+    cpu_bf16 = load_model(device="cpu", dtype="bfloat16", progress=False)
     agree = total = 0
     for text in TEXTS:
         ids = cpu_fp32.tokenizer.encode(text)
-        ref, got = _logits(cpu_fp32, ids), _logits(gpu, ids)
-        assert (got - ref).abs().max() < 1.0
+        ref = torch.log_softmax(_logits(cpu_fp32, ids), -1)
+        got = torch.log_softmax(_logits(gpu, ids).float(), -1)
+        cpu = torch.log_softmax(_logits(cpu_bf16, ids).float(), -1)
+        assert (got - ref).abs().max() <= 1.5 * (cpu - ref).abs().max(), text
         agree += int((got.argmax(-1) == ref.argmax(-1)).sum())
         total += len(ids)
     assert agree >= 0.9 * total
