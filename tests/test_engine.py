@@ -292,14 +292,7 @@ def assert_batch_invariant(loaded, prompts: list[list[int]], preempting_cache: i
             assert results[(f"r{i}", 0)].token_ids == alone[i], (scenario, TEXTS[i])
 
 
-# The AVX2 build's int8-activation kernel is its portable loop (no AVX2 path yet), covered
-# row by row by its kernel tests, as the portable build's kernels are.
-FAST_PATHS = [
-    (kernel, isa)
-    for kernel in ("native", "native_a8")
-    for isa in MACHINE_ISAS
-    if (kernel, isa) != ("native_a8", "avx2")
-]
+FAST_PATHS = [(kernel, isa) for kernel in ("native", "native_a8") for isa in MACHINE_ISAS]
 
 
 @pytest.mark.slow

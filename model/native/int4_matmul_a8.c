@@ -13,7 +13,9 @@
  * vpdpbusd sums four byte products per 32-bit lane, one lane per output column. The
  * packed byte 2 i + e of a step holds K offsets e (low nibble) and 2 + e (high nibble) of
  * column i, so a lane's four nibbles, spread to bytes in place, hold K offsets 0, 2, 1, 3:
- * the quantised x is stored in that order.
+ * the quantised x is stored in that order. AVX2 (below) has no vpdpbusd and takes
+ * vpmaddubsw (byte products summed in 16-bit pairs) on its own layout; other CPUs take a
+ * portable loop.
  */
 #include <math.h>
 #include <stdint.h>
@@ -73,6 +75,99 @@ static inline __attribute__((always_inline)) void tile_block(
 }
 #define INT4_A8_KERNEL "avx512_vnni"
 
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* AVX2 has no vpdpbusd; vpmaddubsw multiplies the unsigned nibbles by the signed xq in
+ * pairs into 16-bit sums, as llama.cpp's AVX2 loops do. Lane i of a step's 32 bytes holds
+ * column i's K offsets 0 and 1 in its low nibbles and 2 and 3 in its high ones, so the
+ * quantised x is stored in K order and broadcast a pair at a time. */
+#define XQ_IN_K_ORDER 1
+/* Rows per pass: each holds a 16-bit and two 32-bit sums and two fp32 totals in
+ * registers. */
+#define A8_PASS 4
+
+static inline __attribute__((always_inline)) void rows_pass(
+    const int8_t *xq, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
+    const uint16_t *sz, uint16_t *y, int64_t y_stride, const int rows) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    const __m256i high_half = _mm256_set1_epi32((int)0xFFFF0000u);
+    /* 16-bit lane i is column i: the even columns are the low halves of the 32-bit lanes,
+     * the odd ones the high halves, and each is summed and scaled on its own. */
+    __m256 even_total[A8_PASS], odd_total[A8_PASS];
+    for (int m = 0; m < rows; m++) even_total[m] = odd_total[m] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m256i even[A8_PASS], odd[A8_PASS];
+        for (int m = 0; m < rows; m++) even[m] = odd[m] = _mm256_setzero_si256();
+        const uint8_t *wg = w + g * (TILE * GROUP / 2);
+        /* Four steps' 16-bit sums stay within 4 * 4 * 15 * 127 = 30480 < 2^15. */
+        for (int four = 0; four < 2; four++) {
+            __m256i acc[A8_PASS];
+            for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_si256();
+            for (int s = 4 * four; s < 4 * four + 4; s++) {
+                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(wg + 32 * s));
+                const __m256i lo = _mm256_and_si256(bytes, nibble);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble);
+                const int8_t *xs = xq + g * GROUP + 4 * s;
+                for (int m = 0; m < rows; m++) {
+                    int16_t pair01, pair23;
+                    memcpy(&pair01, xs + m * k, 2);
+                    memcpy(&pair23, xs + m * k + 2, 2);
+                    const __m256i sum = _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, _mm256_set1_epi16(pair01)),
+                        _mm256_maddubs_epi16(hi, _mm256_set1_epi16(pair23)));
+                    acc[m] = _mm256_add_epi16(acc[m], sum);
+                }
+            }
+            for (int m = 0; m < rows; m++) {
+                even[m] = _mm256_add_epi32(even[m], _mm256_srai_epi32(_mm256_slli_epi32(acc[m], 16), 16));
+                odd[m] = _mm256_add_epi32(odd[m], _mm256_srai_epi32(acc[m], 16));
+            }
+        }
+        const __m256i scales = _mm256_loadu_si256((const __m256i *)(sz + g * 2 * TILE));
+        const __m256i zeros = _mm256_loadu_si256((const __m256i *)(sz + g * 2 * TILE + TILE));
+        const __m256 scale_even = _mm256_castsi256_ps(_mm256_slli_epi32(scales, 16));
+        const __m256 scale_odd = _mm256_castsi256_ps(_mm256_and_si256(scales, high_half));
+        const __m256 zero_even = _mm256_castsi256_ps(_mm256_slli_epi32(zeros, 16));
+        const __m256 zero_odd = _mm256_castsi256_ps(_mm256_and_si256(zeros, high_half));
+        for (int m = 0; m < rows; m++) {
+            const group_constants *cg = c + m * groups + g;
+            const __m256 d = _mm256_set1_ps(cg->d), offset = _mm256_set1_ps(cg->offset);
+            const __m256 sum = _mm256_set1_ps(cg->sum);
+            const __m256 part_even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even[m]), d, offset);
+            const __m256 part_odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd[m]), d, offset);
+            even_total[m] = _mm256_fmadd_ps(part_even, scale_even, even_total[m]);
+            even_total[m] = _mm256_fmadd_ps(sum, zero_even, even_total[m]);
+            odd_total[m] = _mm256_fmadd_ps(part_odd, scale_odd, odd_total[m]);
+            odd_total[m] = _mm256_fmadd_ps(sum, zero_odd, odd_total[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        float e[8], o[8];
+        _mm256_storeu_ps(e, even_total[m]);
+        _mm256_storeu_ps(o, odd_total[m]);
+        for (int j = 0; j < 8; j++) {
+            y[m * y_stride + 2 * j] = to_bf16(e[j]);
+            y[m * y_stride + 2 * j + 1] = to_bf16(o[j]);
+        }
+    }
+}
+
+/* `rows` (a constant in each caller) in passes of at most A8_PASS; each row's operations
+ * are the same in any pass. */
+static inline __attribute__((always_inline)) void tile_block(
+    const int8_t *xq, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
+    const uint16_t *sz, uint16_t *y, int64_t y_stride, const int rows) {
+    if (rows <= A8_PASS) {
+        rows_pass(xq, k, c, groups, w, sz, y, y_stride, rows);
+    } else {
+        rows_pass(xq, k, c, groups, w, sz, y, y_stride, A8_PASS);
+        rows_pass(xq + A8_PASS * k, k, c + A8_PASS * groups, groups, w, sz,
+                  y + A8_PASS * y_stride, y_stride, rows - A8_PASS);
+    }
+}
+#define INT4_A8_KERNEL "avx2"
+
 #else
 
 /* Portable version: one row's group is a call of its own, so that its sums are ordered
@@ -116,9 +211,14 @@ static inline void tile_block(const int8_t *xq, int64_t k, const group_constants
 
 #endif
 
+#ifndef XQ_IN_K_ORDER
+#define XQ_IN_K_ORDER 0
+#endif
+
 const char *int4_matmul_a8_kind(void) { return INT4_A8_KERNEL; }
 
-/* A row's K values in groups of 32, as xq (K offsets 0, 2, 1, 3 in each four) and its
+/* A row's K values in groups of 32, as xq (K order where the loop above says so, else K
+ * offsets 0, 2, 1, 3 in each four, as vpdpbusd's lanes hold them) and its
  * group constants; written as loops the compiler vectorises. */
 static void quantise_row(const uint16_t *x, int64_t groups, int8_t *xq, group_constants *c) {
     for (int64_t g = 0; g < groups; g++) {
@@ -132,11 +232,16 @@ static void quantise_row(const uint16_t *x, int64_t groups, int8_t *xq, group_co
         int32_t q[GROUP], total = 0;
         for (int j = 0; j < GROUP; j++) q[j] = (int32_t)nearbyintf(v[j] * inverse);
         for (int j = 0; j < GROUP; j++) total += q[j];
-        uint32_t fours[GROUP / 4];
-        for (int f = 0; f < GROUP / 4; f++)
-            fours[f] = (uint32_t)(q[4 * f] & 255) | (uint32_t)(q[4 * f + 2] & 255) << 8 |
-                       (uint32_t)(q[4 * f + 1] & 255) << 16 | (uint32_t)(q[4 * f + 3] & 255) << 24;
-        memcpy(xq + g * GROUP, fours, GROUP);
+        if (XQ_IN_K_ORDER) {
+            for (int j = 0; j < GROUP; j++) xq[g * GROUP + j] = (int8_t)q[j];
+        } else {
+            uint32_t fours[GROUP / 4];
+            for (int f = 0; f < GROUP / 4; f++)
+                fours[f] = (uint32_t)(q[4 * f] & 255) | (uint32_t)(q[4 * f + 2] & 255) << 8 |
+                           (uint32_t)(q[4 * f + 1] & 255) << 16 |
+                           (uint32_t)(q[4 * f + 3] & 255) << 24;
+            memcpy(xq + g * GROUP, fours, GROUP);
+        }
         c[g].d = top / 127.0f;
         c[g].offset = -8.0f * c[g].d * (float)total;
         c[g].sum = sum;
