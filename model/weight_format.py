@@ -26,6 +26,7 @@ from torch import nn
 from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
 from model.native.build import NativeUnavailable
+from model.native.ops import native_int4_matmul
 from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, Int8GroupLinear, quantized_linear
 from model.timing import best_ms
 
@@ -100,23 +101,40 @@ def candidate_formats(
     # int4 in groups of 32 holds a 4-bit GGUF type exactly; int8 with one scale per row
     # holds none of the group-wise types exactly (1% error on Q4_1 weights), so it is
     # never chosen for the user, only taken when asked for. So is w4a8, the same int4 with
-    # the activations rounded to int8 (what llama.cpp computes for a Q4 GGUF): 1.1-1.4x
-    # faster here, but it loses what the checkpoint never rounded (2 of 10 test prompts'
-    # greedy text as float32's against 6 of 10 for int4; like llama-server, it gets the
-    # default model's "capital of France" wrong).
+    # the activations rounded to int8 (what llama.cpp computes for a Q4 GGUF), wherever
+    # the int4 kernel has bf16 products: 1.1-1.4x faster there, but it loses what the
+    # checkpoint never rounded (2 of 10 test prompts' greedy text as float32's against 6
+    # of 10 for int4; like llama-server, it gets the default model's "capital of France"
+    # wrong). Without them (AVX2) it is timed too: `int8_activations_in_auto`.
     # Grouped int8 (groups of 32, a scale each) holds Q8_0 exactly, and Q5_0, Q6_K and the
     # other 4- to 6-bit types within a sixteenth of their own step: what a Q4_K_M file's mix
     # of Q4_K, Q5_0 and Q6_K layers runs in when timing prefers it to bf16.
     # A file mixing 4-bit layers with wider ones (Q4_K_M) may run each in its own: int4
     # where it is exact, grouped int8 elsewhere.
     if checkpoint_bits <= 4:
-        return [*floats, WeightFormat(torch.bfloat16, "int4")]
+        int4 = [WeightFormat(torch.bfloat16, "int4")]
+        if int8_activations_in_auto():
+            int4.append(WeightFormat(torch.bfloat16, "w4a8"))
+        return [*floats, *int4]
     if checkpoint_bits <= 8:
         int8g = WeightFormat(torch.bfloat16, "int8g")
         if not some_4_bit:
             return [*floats, int8g]
         return [*floats, int8g, WeightFormat(torch.bfloat16, "int4", wide="int8g")]
     return floats
+
+
+def int8_activations_in_auto() -> bool:
+    """Whether `auto` also times w4a8 on a 4-bit checkpoint: where this CPU's int4 kernel
+    has no bf16 products (no AVX-512 BF16: an AVX2-only CPU widens every weight to fp32),
+    and int8 ones are what is left, as llama.cpp takes there. There it is several times
+    faster (a one-row `[8192 x 2048]` product 0.14 against 0.84 ms, AVX2 build) at the
+    accuracy llama-server has on the same file; with AVX-512 BF16 the gain is 1.1-1.7x
+    and the bf16 activations stay."""
+    try:
+        return native_int4_matmul("native").kind != "avx512_bf16"
+    except NativeUnavailable:
+        return False  # w4a8 runs on the C kernels only
 
 
 def _float_formats(device: torch.device) -> list[WeightFormat]:

@@ -22,9 +22,9 @@ ZEN3_FLAGS += " abm bmi1 avx2 bmi2 sha_ni"
 def test_an_avx2_only_cpu_executes_avx2_and_portable(monkeypatch) -> None:
     if not X86:
         pytest.skip("instruction levels are x86-64's")
-    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset(ZEN3_FLAGS.split()))
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset(ZEN3_FLAGS.split()))
     assert build.executable_isas() == ("native", "avx2", "portable")
-    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"sse2"}))
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"sse2"}))
     assert build.executable_isas() == ("native", "portable")
 
 
@@ -59,7 +59,7 @@ def test_an_unknown_level_is_refused_and_the_reference_serves(monkeypatch, caplo
 def test_a_level_this_cpu_cannot_execute_is_refused(monkeypatch) -> None:
     if not X86:
         pytest.skip("instruction levels are x86-64's")
-    monkeypatch.setattr(build, "_cpu_flags", lambda: frozenset({"sse2"}))
+    monkeypatch.setattr(build, "cpu_flags", lambda: frozenset({"sse2"}))
     monkeypatch.setenv(build.ISA_ENV, "avx2")
     with pytest.raises(build.NativeUnavailable, match="cannot execute"):
         build.load_library()

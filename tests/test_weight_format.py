@@ -12,6 +12,8 @@ from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
 from model.llama import Llama
 from model.loader import load_model
+from model.native.build import cpu_flags
+from model.native.ops import NativeInt4Matmul
 from model.paged_cache import PagedKVCache
 from model.quantized_linear import Int4Linear, Int8GroupLinear
 from model.weight_format import (
@@ -22,6 +24,7 @@ from model.weight_format import (
     resolve_weight_format,
 )
 from model.weights.safetensors import iter_safetensors, safetensors_files
+from tests.native_builds import MACHINE_ISAS
 from tests.tiny_families import write_gguf
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 
@@ -61,7 +64,8 @@ def test_a_single_candidate_is_not_timed() -> None:
     assert choose_weight_format([BF16], timer) == BF16
 
 
-def test_auto_never_quantises_below_the_checkpoint() -> None:
+def test_auto_never_quantises_below_the_checkpoint(monkeypatch) -> None:
+    monkeypatch.setattr(weight_format, "int8_activations_in_auto", lambda: False)
     assert candidate_formats("auto", "auto", None, CPU) == [FP32, BF16]  # float weights
     # Q8_0, Q5_0, Q6_K: int8 per row is lossy, in groups of 32 it holds them.
     assert candidate_formats("auto", "auto", 8, CPU) == [FP32, BF16, INT8G]
@@ -75,6 +79,18 @@ def test_auto_never_quantises_below_the_checkpoint() -> None:
     assert candidate_formats("auto", "auto", 4, torch.device("cuda")) == [BF16]
     with pytest.raises(ValueError, match="CPU only"):
         candidate_formats("auto", "int4", 4, torch.device("cuda"))
+
+
+@pytest.mark.parametrize("cpu_isa", MACHINE_ISAS, indirect=True)
+def test_auto_also_times_int8_activations_where_int4_has_no_bf16_products(cpu_isa) -> None:
+    """With AVX-512 BF16 the int4 kernel sums bf16 products and w4a8 waits to be asked
+    for; at the AVX2 level (the AVX2-only CPUs) it is timed beside int4, as llama.cpp's int8
+    activations are what such a CPU runs fast. Never on a wider checkpoint."""
+    bf16_products = NativeInt4Matmul().kind == "avx512_bf16"
+    assert bf16_products == (cpu_isa == "native" and "avx512_bf16" in cpu_flags())
+    expected = [FP32, BF16, INT4] if bf16_products else [FP32, BF16, INT4, W4A8]
+    assert candidate_formats("auto", "auto", 4, CPU) == expected
+    assert W4A8 not in candidate_formats("auto", "auto", 8, CPU)
 
 
 def test_a_file_mixing_4_bit_and_wider_layers_may_run_each_in_its_own() -> None:

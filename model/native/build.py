@@ -80,7 +80,7 @@ def executable_isas() -> tuple[str, ...]:
     flags cover."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return ("native",)
-    flags = _cpu_flags()
+    flags = cpu_flags()
     return tuple(isa for isa, needs in _ISA_CPU_FLAGS.items() if needs <= flags)
 
 
@@ -169,7 +169,7 @@ def _cpu_id() -> bytes:
     return "\n".join(wanted).encode()
 
 
-def _cpu_flags() -> frozenset[str]:
+def cpu_flags() -> frozenset[str]:
     for line in _cpu_id().decode().splitlines():
         if line.startswith("flags"):
             return frozenset(line.partition(":")[2].split())
