@@ -26,6 +26,7 @@ from model.errors import UnsupportedFormatError
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt4Matmul, native_int4_matmul
 from model.timing import best_ms
+from model.tuning import remembered
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,11 @@ def choose_int4_kernel(
 @cache
 def _choose_on_cpu(in_features: int, out_features: int, allowed: tuple[str, ...]) -> str:
     with torch.inference_mode():
-        timings = _time_kernels(in_features, out_features, allowed)
+        timings = remembered(
+            "int4_kernel_ms",
+            {"in": in_features, "out": out_features, "allowed": list(allowed)},
+            lambda: _time_kernels(in_features, out_features, allowed),
+        )
     if not timings:
         raise UnsupportedFormatError(
             f"int4 with int8 activations (w4a8) runs on the C kernels only: {_why_no_native()}"

@@ -29,6 +29,7 @@ from model.native.build import NativeUnavailable
 from model.native.ops import native_int4_matmul
 from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, Int8GroupLinear, quantized_linear
 from model.timing import best_ms
+from model.tuning import config_key, remembered
 
 logger = logging.getLogger(__name__)
 
@@ -243,8 +244,13 @@ def resolve_weight_format(
                 f"{INT4_GROUP} and outputs by 16; this model's are not"
             )
         candidates = [c for c in candidates if c.quantization not in int4]
+
+    def timer(fmt: WeightFormat) -> float:
+        key = {"config": config_key(config), "format": fmt.describe(), "device": str(device)}
+        return remembered("linear_layers_ms", key, lambda: layer_step_ms(config, fmt, device))
+
     with torch.inference_mode():
-        return choose_weight_format(candidates, lambda fmt: layer_step_ms(config, fmt, device))
+        return choose_weight_format(candidates, timer)
 
 
 def choose_head_int8(
@@ -260,7 +266,12 @@ def choose_head_int8(
         return False
     try:
         with torch.inference_mode():
-            int8_ms, bf16_ms = _head_ms(config)
+            int8_ms, bf16_ms = remembered(
+                "output_projection_ms",
+                {"config": config_key(config)},
+                lambda: _head_ms(config),
+                decode=tuple,
+            )
     except NativeUnavailable as exc:
         logger.warning("output projection stays bf16: %s", exc)
         return False

@@ -8,6 +8,10 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Start-up measurements are taken afresh in every test (and by every server a test starts),
+# never read from an earlier run's store: tests that time things must see them timed.
+os.environ["LLAMASERVE_TUNING_STORE"] = "off"
+
 # Shared fixtures: the real server for API tests; the tokenizers for tokenizer tests; the C
 # kernels' instruction level.
 pytest_plugins = ["tests.live_server", "tests.smollm2_fixtures", "tests.native_builds"]

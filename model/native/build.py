@@ -105,14 +105,9 @@ def library_for(level: str) -> ctypes.CDLL:
     """The library built for `level`, one of `executable_isas()`."""
     if platform.system() != "Linux":
         raise NativeUnavailable(f"native kernels are built on Linux only, not {platform.system()}")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not compiler:
-        raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
+    compiler = _compiler()
     compile_flags = (f"-march={ISA_MARCH[level]}", *COMPILE_FLAGS)
-    text = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))
-    flags = " ".join((compiler, *compile_flags, *LINK_FLAGS)).encode()
-    key = hashlib.sha256(text + flags + _cpu_id()).hexdigest()
-    target = cache_dir() / f"kernels-{level}-{key[:16]}.so"
+    target = cache_dir() / f"kernels-{level}-{library_key(level)[:16]}.so"
     if not target.exists():
         _build(compiler, compile_flags, target)
     try:
@@ -121,6 +116,25 @@ def library_for(level: str) -> ctypes.CDLL:
         raise NativeUnavailable(f"cannot load {target}: {exc}") from None
     logger.info("C kernels: the %s build (-march=%s), %s", level, ISA_MARCH[level], target)
     return library
+
+
+@cache
+def library_key(level: str) -> str:
+    """What the library for `level` is built from: sources, compiler and flags, and the
+    CPU (what `-march=native` depends on); its file name, and the key of anything
+    measured on it (model/tuning.py)."""
+    compiler = _compiler()
+    compile_flags = (f"-march={ISA_MARCH[level]}", *COMPILE_FLAGS)
+    text = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))
+    flags = " ".join((compiler, *compile_flags, *LINK_FLAGS)).encode()
+    return hashlib.sha256(text + flags + cpu_id()).hexdigest()
+
+
+def _compiler() -> str:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not compiler:
+        raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
+    return compiler
 
 
 def _build(compiler: str, compile_flags: tuple[str, ...], target: Path) -> None:
@@ -158,7 +172,7 @@ def _build(compiler: str, compile_flags: tuple[str, ...], target: Path) -> None:
     logger.info("built %s in %.1f s", target, time.perf_counter() - started)
 
 
-def _cpu_id() -> bytes:
+def cpu_id() -> bytes:
     """What `-march=native` depends on: a library built on one CPU must not be loaded on
     another that shares the cache directory."""
     try:
@@ -170,7 +184,7 @@ def _cpu_id() -> bytes:
 
 
 def cpu_flags() -> frozenset[str]:
-    for line in _cpu_id().decode().splitlines():
+    for line in cpu_id().decode().splitlines():
         if line.startswith("flags"):
             return frozenset(line.partition(":")[2].split())
     return frozenset()

@@ -21,6 +21,7 @@ from model.batch import Batch
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
 from model.sampler import Sampler, position_seed
+from model.tuning import config_key, remembered
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from scheduler.runner.decode_graphs import DecodeGraphs
 from scheduler.runner.draft_model import DraftModel
@@ -118,13 +119,31 @@ class ModelRunner:
         num_tokens = min(num_tokens, num_blocks * self.block_size)
         table = list(range(num_blocks))
         tokens = [i % self.vocab_size for i in range(num_tokens)]
-        warm = min(32, num_tokens)
-        warm_up = Batch.build([tokens[:warm]], [0], [table], self.block_size, self.device)
-        self.model(warm_up, self.kv_cache)
-        batch = Batch.build([tokens], [0], [table], self.block_size, self.device)
-        started = time.perf_counter()
-        self.model(batch, self.kv_cache)
-        return (time.perf_counter() - started) * 1e3 / num_tokens
+
+        def measure() -> float:
+            warm = min(32, num_tokens)
+            warm_up = Batch.build([tokens[:warm]], [0], [table], self.block_size, self.device)
+            self.model(warm_up, self.kv_cache)
+            batch = Batch.build([tokens], [0], [table], self.block_size, self.device)
+            started = time.perf_counter()
+            self.model(batch, self.kv_cache)
+            return (time.perf_counter() - started) * 1e3 / num_tokens
+
+        key = {"model": self._tuning_key(), "tokens": num_tokens}
+        return remembered("prefill_ms_per_token", key, measure)
+
+    def _tuning_key(self) -> dict[str, object]:
+        """What a step's speed depends on beside the thread count (model/tuning.py): the
+        model's shape, its weight format and kernels, and the block size."""
+        modules = {f"{type(m).__name__}:{getattr(m, 'kernel', '')}" for m in self.model.modules()}
+        return {
+            "config": config_key(self.model.config),
+            "modules": sorted(modules),
+            "native_layers": sum(getattr(m, "native", None) is not None for m in self.model.layers),
+            "attention": self.model.attention.name,
+            "dtype": str(self.model.embed_tokens.weight.dtype),
+            "block_size": self.block_size,
+        }
 
     def execute(self, plan: SchedulerOutput) -> ModelRunnerOutput:
         if not plan.scheduled:
@@ -216,10 +235,16 @@ class ModelRunner:
         steps always get every thread."""
         if self.device.type != "cpu" or self.max_threads == 1:
             return self.small_step_threads
-        timings: dict[int, float] = {}
         release_openmp_workers()
 
-        def measure() -> None:
+        def measure() -> dict[int, float]:
+            timings: dict[int, float] = {}
+            thread = threading.Thread(target=rounds_of, args=(timings,), name="llamaserve-measure")
+            thread.start()
+            thread.join()
+            return timings
+
+        def rounds_of(timings: dict[int, float]) -> None:
             batch = Batch.build([[0]], [self.block_size], [[0, 1]], self.block_size, self.device)
             # Alternating rounds, the best of each: one pass each way flipped the choice in
             # one start-up of four on a busy VM (a neighbour can only make a round slower).
@@ -234,9 +259,12 @@ class ModelRunner:
                     timings[threads] = min(timings.get(threads, ms), ms)
             torch.set_num_threads(self.max_threads)
 
-        thread = threading.Thread(target=measure, name="llamaserve-measure")
-        thread.start()
-        thread.join()
+        timings = remembered(
+            "one_token_step_ms",
+            {"model": self._tuning_key()},
+            measure,
+            decode=lambda stored: {int(n): ms for n, ms in stored.items()},
+        )
         self.small_step_threads = min(timings, key=timings.get)
         logger.info(
             "one-token steps on %d thread(s): %s",

@@ -1,5 +1,5 @@
-"""`llamaserve` command line: `serve` (the OpenAI-compatible HTTP server) and `generate`
-(a greedy demo straight on the model).
+"""`llamaserve` command line: `serve` (the OpenAI-compatible HTTP server), `generate` (a
+greedy demo straight on the model) and `tune` (the start-up measurements taken again).
 
 Flags are named as vLLM names them where the concept is the same, and as uvicorn names
 them for what a connection may cost. Errors a user can cause (a bad model path, an
@@ -45,6 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(serve)
     add_serve_flags(serve)
     add_parallel_flags(serve)
+
+    tune = sub.add_parser(
+        "tune", help="measure the start-up choices again and store them for the next serve"
+    )
+    tune.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="as for serve")
+    add_model_flags(tune)
+    tune.add_argument(
+        "--max-model-len", type=int, default=None, help="as for serve (it bounds the probes)"
+    )
     return parser
 
 
@@ -158,6 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             return generate(args)
         if args.command == "serve":
             return serve(args)
+        if args.command == "tune":
+            from server.startup.tune import tune
+
+            return tune(args)
     except (
         ModelFileError,
         UnsupportedModelError,

@@ -6,6 +6,7 @@ It wires parts together and owns none of their state.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import signal
@@ -16,6 +17,7 @@ from contextlib import asynccontextmanager, contextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from model import tuning
 from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
 from model.loader import LoadedModel, load_model, resolve_device
 from model.parallel.plan import TensorParallel
@@ -113,15 +115,19 @@ def build_server(
     if parallel.tensor_parallel_size > 1:
         group = start_rank0(config, parallel)
     try:
-        if loaded is None:
-            tp = TensorParallel(0, parallel.tensor_parallel_size) if group else None
-            loaded = load(config, tp)
-        if group is not None:
-            loaded.model.before_forward = group.sender
-        draft = load_draft(config, loaded)
-        engine = create_engine(
-            loaded.model, loaded.tokenizer, config.engine, draft.model if draft else None
-        )
+        # Servers starting together take turns: each measures on a quiet machine, or reads
+        # what the one before it measured (model/tuning.py). Not across the ranks of -tp,
+        # which must load together.
+        with tuning.startup() if group is None else contextlib.nullcontext():
+            if loaded is None:
+                tp = TensorParallel(0, parallel.tensor_parallel_size) if group else None
+                loaded = load(config, tp)
+            if group is not None:
+                loaded.model.before_forward = group.sender
+            draft = load_draft(config, loaded)
+            engine = create_engine(
+                loaded.model, loaded.tokenizer, config.engine, draft.model if draft else None
+            )
     except BaseException:
         if group is not None:
             group.close(engine_stopped=False)
