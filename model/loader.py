@@ -19,23 +19,20 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from model.attention import attention_backend
-from model.attention.base import AttentionBackend
+from model import cpu_kernels as kernel_plan
 from model.checkpoint import open_checkpoint
 from model.config import ModelConfig
 from model.errors import (
     ModelFileError,
-    UnsupportedFormatError,
     UnsupportedModelError,
 )
 from model.heap import return_free_heap
 from model.llama import Llama
-from model.native.ops import NativeRmsNorm
 from model.parallel.plan import TensorParallel
 from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import llama3_chat_format
 from model.text.tokenizer import Tokenizer
-from model.weight_format import WeightFormat, choose_head_int8, resolve_weight_format
+from model.weight_format import WeightFormat, resolve_weight_format
 from model.weights.default_model import default_model_path
 from model.weights.pypi_models import resolve_model_path
 
@@ -62,13 +59,16 @@ def load_model(
     batch_invariant: bool = False,
     attention_backend: str = "auto",
     tp: TensorParallel | None = None,
+    cpu_kernels: str = "auto",
 ) -> LoadedModel:
     """quantization: None keeps every weight in `dtype`; "int8", "int4" or "w4a8" quantises the
     decoder's linear layers as they load (model/quantized_linear.py). dtype "auto" or
     quantization "auto" choose by timing this machine (model/weight_format.py), except
     under tensor parallelism (`tp`: this rank's shard only), where every rank must pick
-    the same format without talking: float32 on a CPU, bfloat16 on CUDA, unquantised."""
+    the same format without talking: float32 on a CPU, bfloat16 on CUDA, unquantised.
+    cpu_kernels: the CPU kernel plan's mode (model/cpu_kernels.py)."""
     started = time.perf_counter()
+    kernel_plan.set_mode(cpu_kernels)
     path = resolve_model_path(path) if path is not None else default_model_path()
     checkpoint = open_checkpoint(path)
     config, name = checkpoint.config, checkpoint.name
@@ -91,7 +91,7 @@ def load_model(
         batch_invariant,
         some_4_bit=len(wide) < 4 * config.n_layers,
     )
-    head_int8 = tp is None and choose_head_int8(
+    head_int8 = tp is None and kernel_plan.head_int8(
         config, fmt, checkpoint.head_exact_in_int8, torch.device(device)
     )
     # Quantised layers are filled from the checkpoint's own values, not a rounded copy.
@@ -128,7 +128,7 @@ def load_model(
     finally:
         torch.set_num_threads(threads)
     model.eval()
-    use_kernels(model, attention_backend, device)
+    kernel_plan.use_kernels(model, attention_backend, device)
     return_free_heap()
     logger.info(
         "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
@@ -180,20 +180,3 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
         return open_checkpoint(path).config
     except ModelFileError:
         return None
-
-
-def use_kernels(model: Llama, attention_backend: str, device: str) -> None:
-    """The attention backend, and with the CPU's C attention the C RMSNorm and decoder
-    layers too: all come from one library, and `--attention-backend torch_ref` keeps the
-    whole forward in plain PyTorch, the reference."""
-    model.attention = _attention_backend(attention_backend, device)
-    if model.attention.name == "cpu_paged":
-        model.use_native_norm(NativeRmsNorm())
-        model.use_native_layers()
-
-
-def _attention_backend(name: str, device: str) -> AttentionBackend:
-    try:
-        return attention_backend(name, device)
-    except ValueError as exc:
-        raise UnsupportedFormatError(str(exc)) from None

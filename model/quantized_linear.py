@@ -19,13 +19,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from model import cpu_kernels
 from model.errors import UnsupportedFormatError
-from model.int4_kernel import (
-    BF16_ACTIVATION_KERNELS,
-    INT4_KERNELS,
-    NATIVE_INT4_KERNELS,
-    choose_int4_kernel,
-)
+from model.int4_kernel import BF16_ACTIVATION_KERNELS, INT4_KERNELS, NATIVE_INT4_KERNELS
 from model.native.ops import NativeInt4Matmul, NativeInt8Matmul, native_int4_matmul
 
 INT4_GROUP = 32
@@ -163,7 +159,7 @@ class Int4Linear(QuantizedLinear):
 
     def _pack(self) -> None:
         if self.kernel is None:
-            self.kernel = choose_int4_kernel(
+            self.kernel = cpu_kernels.int4_kernel(
                 self.in_features, self.out_features, self.device, self.allowed
             )
         if self.kernel in NATIVE_INT4_KERNELS:

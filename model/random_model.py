@@ -9,11 +9,12 @@ from pathlib import Path
 
 import torch
 
+from model import cpu_kernels as kernel_plan
 from model.checkpoint.meta import read_llama3_tokenizer
 from model.config import ModelConfig
 from model.errors import ModelFileError
 from model.llama import Llama
-from model.loader import LoadedModel, use_kernels, weight_format_for
+from model.loader import LoadedModel, weight_format_for
 from model.parallel.plan import TensorParallel
 from model.presets import preset_config
 from model.text.llama3_chat import llama3_chat_format
@@ -33,6 +34,7 @@ def load_random_model(
     batch_invariant: bool = False,
     attention_backend: str = "auto",
     tp: TensorParallel | None = None,
+    cpu_kernels: str = "auto",
 ) -> LoadedModel:
     """A model of a named published shape (`model.presets`) with random weights, to exercise
     memory, KV-cache capacity and speed at that scale without its checkpoint.
@@ -41,6 +43,7 @@ def load_random_model(
     inside the `llama-models` package when that is installed, else a byte-level stand-in with
     Llama 3's special tokens (`llama3_byte_tokenizer`). The chat format is Llama 3's."""
     started = time.perf_counter()
+    kernel_plan.set_mode(cpu_kernels)
     config = preset_config(preset)
     path = Path(tokenizer_path) if tokenizer_path is not None else bundled_tokenizer_path()
     tokenizer = read_llama3_tokenizer(path) if path is not None else llama3_byte_tokenizer()
@@ -57,7 +60,7 @@ def load_random_model(
     model = random_llama(
         config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization, tp=tp
     )
-    use_kernels(model, attention_backend, device)
+    kernel_plan.use_kernels(model, attention_backend, device)
     logger.info(
         "built %s with random weights: %.1fM parameters, %s on %s, %s attention, in %.1f s "
         "(tokenizer: %s)",

@@ -12,14 +12,12 @@ plain lists, and nothing here mutates the caller's logits or reads state beyond 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 from itertools import chain
 
 import numpy as np
 import torch
 
-from model.native.build import NativeUnavailable
-from model.native.ops import NativeArgmax
+from model import cpu_kernels
 
 # A row whose temperature is exactly this is greedy: SamplingParams (scheduler/request.py)
 # maps every temperature too small to divide by to it.
@@ -247,17 +245,9 @@ def token_logprobs(
 def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
     """torch.argmax over the vocabulary, in C for CPU rows (model/native/argmax.c, the same
     answer), where PyTorch's is a scalar loop of 0.65 ms per step of 32 decodes."""
-    kernel = _native_argmax() if logits.device.type == "cpu" else None
+    kernel = cpu_kernels.argmax_kernel() if logits.device.type == "cpu" else None
     ids = kernel(logits) if kernel is not None else None
     return ids if ids is not None else logits.argmax(dim=-1)
-
-
-@cache
-def _native_argmax() -> NativeArgmax | None:
-    try:
-        return NativeArgmax()
-    except NativeUnavailable:
-        return None
 
 
 def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model import cpu_kernels
 from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
 from model.native.build import NativeUnavailable
@@ -132,10 +133,12 @@ def int8_activations_in_auto() -> bool:
     faster (a one-row `[8192 x 2048]` product 0.14 against 0.84 ms, AVX2 build) at the
     accuracy llama-server has on the same file; with AVX-512 BF16 the gain is 1.1-1.7x
     and the bf16 activations stay."""
+    if not cpu_kernels.allows_native():
+        return False  # w4a8 runs on the C kernels only
     try:
         return native_int4_matmul("native").kind != "avx512_bf16"
     except NativeUnavailable:
-        return False  # w4a8 runs on the C kernels only
+        return False
 
 
 def _float_formats(device: torch.device) -> list[WeightFormat]:
@@ -236,6 +239,12 @@ def resolve_weight_format(
     candidates = candidate_formats(
         dtype, quantization, checkpoint_bits, device, batch_invariant, some_4_bit
     )
+    if device.type == "cpu" and not cpu_kernels.allows_native():
+        # int8g and w4a8 run on the C kernels alone: asked for, one sentence; else left out.
+        if len(candidates) == 1:
+            cpu_kernels.check_quantization(candidates[0].quantization)
+        native_only = cpu_kernels.NATIVE_ONLY_QUANTIZATIONS
+        candidates = [c for c in candidates if c.quantization not in native_only and c.wide is None]
     if not int4_fits(config):
         int4 = ("int4", "w4a8", "int8g")  # the same groups of 32
         if all(c.quantization in int4 for c in candidates):
@@ -246,7 +255,12 @@ def resolve_weight_format(
         candidates = [c for c in candidates if c.quantization not in int4]
 
     def timer(fmt: WeightFormat) -> float:
-        key = {"config": config_key(config), "format": fmt.describe(), "device": str(device)}
+        key = {
+            "config": config_key(config),
+            "format": fmt.describe(),
+            "device": str(device),
+            "cpu_kernels": cpu_kernels.mode(),
+        }
         return remembered("linear_layers_ms", key, lambda: layer_step_ms(config, fmt, device))
 
     with torch.inference_mode():
@@ -260,9 +274,7 @@ def choose_head_int8(
     where the checkpoint stores it in a type int8 holds exactly (`exact`, e.g. GGUF Q8_0),
     beside quantised bf16 layers on the CPU, and where it times faster than the bf16 one.
     Its fp32 sums then replace the bf16 projection's bf16 rounding of each logit."""
-    if not exact or fmt.quantization is None or fmt.dtype != torch.bfloat16:
-        return False
-    if device.type != "cpu" or config.dim % INT4_GROUP or config.vocab_size % 16:
+    if not head_int8_applies(config, fmt, exact, device):
         return False
     try:
         with torch.inference_mode():
@@ -283,6 +295,15 @@ def choose_head_int8(
         bf16_ms,
     )
     return int8_ms < bf16_ms
+
+
+def head_int8_applies(
+    config: ModelConfig, fmt: WeightFormat, exact: bool, device: torch.device
+) -> bool:
+    """Where grouped int8 may hold the output projection at all (see choose_head_int8)."""
+    if not exact or fmt.quantization is None or fmt.dtype != torch.bfloat16:
+        return False
+    return device.type == "cpu" and config.dim % INT4_GROUP == 0 and config.vocab_size % 16 == 0
 
 
 def _head_ms(config: ModelConfig) -> tuple[float, float]:

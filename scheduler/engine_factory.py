@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 
+from model import cpu_kernels
 from model.llama import Llama
 from model.text.tokenizer import Tokenizer
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig, EngineConfigError
@@ -36,11 +37,15 @@ def create_engine(
     runner.sample_vocab_size = min(runner.vocab_size, tokenizer.vocab_size)
     runner.measure_small_step_threads()
     kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
+    budget = step_token_budget(config, runner)
+    if runner.device.type == "cpu":
+        plan = cpu_kernels.describe(model, runner.small_step_threads, budget)
+        logger.info("CPU kernel plan: %s", plan)
     scheduler = Scheduler(
         SchedulerConfig(
             max_model_len=runner.max_model_len,
             max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=step_token_budget(config, runner),
+            max_num_batched_tokens=budget,
             max_waiting=config.max_waiting,
             speculative=config.speculative,
         ),

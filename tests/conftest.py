@@ -60,3 +60,13 @@ def ours_default(device):
     from model.loader import load_model
 
     return load_model(device=device, progress=False)
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels_auto():
+    """The CPU kernel plan's mode is the process's (model/cpu_kernels.py): each test starts
+    from the default, whatever the one before it loaded."""
+    from model import cpu_kernels
+
+    cpu_kernels.set_mode("auto")
+    yield

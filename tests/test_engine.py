@@ -301,16 +301,19 @@ def test_the_c_kernels_fast_path_is_batch_invariant(prompts, monkeypatch, int4_k
     """bf16 activations with int4 layers (bf16 or int8 activations into the products), the
     int8 output projection, the C decoder layers and C attention for prefill and decode:
     every kernel on that path computes a row alone, so greedy output does not depend on
-    the batch even without --batch-invariant (forced to the C kernels here, as an AVX-512
-    machine's timing picks them; with the bf16 output projection instead, this fails).
+    the batch even without --batch-invariant (--cpu-kernels native here, what an AVX-512
+    machine's timing picks; with the bf16 output projection instead, this fails).
     At each instruction level the kernels are built for, each taking its own loops (with
     SDPA for the AVX2 and portable builds' prefills, chunking changed greedy tokens)."""
-    import model.loader as loader
-    import model.quantized_linear as quantized_linear
+    from model.loader import load_model
+    from model.quantized_linear import Int4Linear
 
-    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: int4_kernel)
-    monkeypatch.setattr(loader, "choose_head_int8", lambda *_: True)
-    loaded = loader.load_model(dtype="bfloat16", quantization="int4", progress=False)
+    quantization = "w4a8" if int4_kernel == "native_a8" else "int4"
+    loaded = load_model(
+        dtype="bfloat16", quantization=quantization, progress=False, cpu_kernels="native"
+    )
+    kernels = {m.kernel for m in loaded.model.modules() if isinstance(m, Int4Linear)}
+    assert kernels == {int4_kernel}
     assert all(layer.native is not None for layer in loaded.model.layers)
     assert loaded.model.embed_from_head
     # bf16 blocks are half the size of float32's: a quarter of the cache for half the prompts.

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-import model.quantized_linear as quantized_linear
+import model.cpu_kernels as cpu_kernels
 from model.batch import Batch
 from model.loader import load_model
 from model.native.build import ISA_ENV
@@ -32,7 +32,7 @@ def tiny_dir(request, tmp_path, monkeypatch):
     kernel, isa = request.param
     library_at(isa)
     monkeypatch.setenv(ISA_ENV, isa)
-    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: kernel)
+    monkeypatch.setattr(cpu_kernels, "choose_int4_kernel", lambda *_: kernel)
     make_tiny_llama(tmp_path, heads="gqa")
     write_tiny_tokenizer(tmp_path)
     return tmp_path
@@ -109,9 +109,9 @@ def test_a_sequence_alone_equals_it_in_a_batch(tiny_dir) -> None:
 def test_used_only_where_every_part_fits(tiny_dir, monkeypatch) -> None:
     assert all(layer.native is None for layer in load(tiny_dir, dtype="float32").layers)
     assert all(layer.native is None for layer in load(tiny_dir, quantization="none").layers)
-    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: "torch")
+    monkeypatch.setattr(cpu_kernels, "choose_int4_kernel", lambda *_: "torch")
     assert all(layer.native is None for layer in load(tiny_dir).layers)
-    monkeypatch.setattr(quantized_linear, "choose_int4_kernel", lambda *_: "native")
+    monkeypatch.setattr(cpu_kernels, "choose_int4_kernel", lambda *_: "native")
     model = load(tiny_dir)
     model.layers[1].reduce = lambda t: t  # as tensor parallelism sets it
     assert model.use_native_layers() == 1

@@ -29,11 +29,8 @@ import torch
 
 from model.attention.torch_ref import TorchRefBackend, TorchRefPlan, _Group
 from model.batch import Batch
-from model.native.build import load_library
 from model.native.layer import DecodeBatch
-
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-_ARGTYPES = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64]
+from model.native.ops import paged_decode_kernels
 
 
 @dataclass
@@ -56,14 +53,7 @@ class CpuPagedBackend(TorchRefBackend):
     supports_window = False  # the C kernel attends to the whole context
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
-        library = library or load_library()
-        self.kernels: dict[torch.dtype, ctypes._CFuncPtr] = {}
-        symbols = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
-        for dtype, symbol in symbols.items():
-            kernel = getattr(library, symbol)
-            kernel.argtypes = [*_ARGTYPES, ctypes.c_float]
-            kernel.restype = ctypes.c_int
-            self.kernels[dtype] = kernel
+        self.kernels = paged_decode_kernels(library)
 
     def plan(self, batch: Batch) -> CpuPagedPlan:
         groups = super().plan(batch).groups

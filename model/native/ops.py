@@ -1,4 +1,5 @@
-"""Python entry points of the native kernels that are not an attention backend."""
+"""Python entry points of the native kernels: every ctypes signature of the library but
+the decoder layer's (model/native/layer.py) is declared here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 from model.native.build import load_library
 
-_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class NativeRmsNorm:
@@ -39,6 +40,20 @@ class NativeRmsNorm:
         width = x.shape[-1]
         kernel(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // width, width, eps)
         return out
+
+
+def paged_decode_kernels(library: ctypes.CDLL | None = None) -> dict[torch.dtype, ctypes._CFuncPtr]:
+    """paged_decode.c's entry points per dtype, for the cpu_paged attention backend (which
+    documents the arguments). Raises NativeUnavailable where the library cannot be built."""
+    library = library or load_library()
+    kernels = {}
+    symbols = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
+    for dtype, symbol in symbols.items():
+        kernel = getattr(library, symbol)
+        kernel.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, _F32]
+        kernel.restype = ctypes.c_int
+        kernels[dtype] = kernel
+    return kernels
 
 
 class _TiledMatmul:

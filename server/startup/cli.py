@@ -91,6 +91,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics_require_api_key=args.metrics_require_api_key,
         device=args.device,
         attention_backend=args.attention_backend,
+        cpu_kernels=args.cpu_kernels,
         dtype=args.dtype,
         quantization=args.quantization,
         batch_invariant=args.batch_invariant,

@@ -12,6 +12,7 @@ import argparse
 import os
 
 from model.attention import BACKENDS
+from model.cpu_kernels import CPU_KERNELS
 from model.quantized_linear import QUANTIZATIONS
 from model.weight_format import DTYPES
 from model.weights.pypi_models import PYPI_DIRECTORIES, PYPI_MODELS
@@ -45,9 +46,19 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         default="auto",
         choices=BACKENDS,
         help="auto (default): triton_paged on CUDA (paged kernels reading K/V in place); on the "
-        "CPU cpu_paged (a C decode kernel reading K/V in place, built with the system's C "
-        "compiler, with the C norms and decoder layers), or torch_ref (plain PyTorch, the "
-        "reference) where no compiler is found",
+        "CPU as --cpu-kernels plans it: cpu_paged (a C decode kernel reading K/V in place, built "
+        "with the system's C compiler; the C norms and decoder layers come with it), or "
+        "torch_ref (plain PyTorch, the reference) with --cpu-kernels torch or where no compiler "
+        "is found",
+    )
+    p.add_argument(
+        "--cpu-kernels",
+        default="auto",
+        choices=CPU_KERNELS,
+        help="the CPU kernel plan: auto (default) times the C kernels against PyTorch's where "
+        "it matters and remembers the choices; native takes the C kernels wherever they apply "
+        "(attention, norms, decoder layers, int4/int8 products, argmax), untimed; torch keeps "
+        "every op in plain PyTorch, the reference. The plan is logged in one line at start-up",
     )
     p.add_argument(
         "--dtype",

@@ -53,6 +53,7 @@ def load(config: ServeConfig, tp: TensorParallel | None = None) -> LoadedModel:
             quantization=config.quantization,
             batch_invariant=config.batch_invariant,
             attention_backend=config.attention_backend,
+            cpu_kernels=config.cpu_kernels,
             tp=tp,
         )
     return load_model(
@@ -64,6 +65,7 @@ def load(config: ServeConfig, tp: TensorParallel | None = None) -> LoadedModel:
         batch_invariant=config.batch_invariant,
         attention_backend=config.attention_backend,
         tp=tp,
+        cpu_kernels=config.cpu_kernels,
     )
 
 
@@ -85,6 +87,7 @@ def load_draft(config: ServeConfig, target: LoadedModel) -> LoadedModel | None:
             quantization=config.quantization,
             batch_invariant=config.batch_invariant,
             attention_backend=config.attention_backend,
+            cpu_kernels=config.cpu_kernels,
         )
     except (ModelFileError, UnsupportedModelError, UnsupportedFormatError) as exc:
         raise SpeculativeConfigError(f"--speculative-config: draft model: {exc}") from None

@@ -21,6 +21,7 @@ def tune(args: argparse.Namespace) -> int:
         model=args.model_path or args.model,
         device=args.device,
         attention_backend=args.attention_backend,
+        cpu_kernels=args.cpu_kernels,
         dtype=args.dtype,
         quantization=args.quantization,
         batch_invariant=args.batch_invariant,
