@@ -152,6 +152,8 @@ def weight_format_for(
     some_4_bit: bool = False,
 ) -> WeightFormat:
     if isinstance(dtype, torch.dtype) and quantization != "auto" and not batch_invariant:
+        if torch.device(device).type == "cpu":
+            kernel_plan.check_quantization(quantization)
         return WeightFormat(dtype, quantization)
     dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
     return resolve_weight_format(

@@ -20,7 +20,13 @@ import torch
 
 from scheduler.config import EngineConfig
 from scheduler.speculation import SpeculativeConfig, SpeculativeConfigError
-from server.startup.flags import UsageError, add_model_flags, add_parallel_flags, add_serve_flags
+from server.startup.flags import (
+    UsageError,
+    add_model_flags,
+    add_parallel_flags,
+    add_serve_flags,
+    model_settings,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,18 +89,12 @@ def serve(args: argparse.Namespace) -> int:
     if args.limit_concurrency < 1:
         raise UsageError(f"--limit-concurrency must be at least 1, got {args.limit_concurrency}")
     config = ServeConfig(
-        model=args.model_path or args.model,
+        **model_settings(args),
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
         api_keys=api_keys,
         metrics_require_api_key=args.metrics_require_api_key,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        cpu_kernels=args.cpu_kernels,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        batch_invariant=args.batch_invariant,
         task=args.task,
         pooling=args.pooling,
         engine=EngineConfig(
@@ -121,9 +121,6 @@ def serve(args: argparse.Namespace) -> int:
         header_timeout_s=args.header_timeout,
         limit_concurrency=args.limit_concurrency,
         backlog=args.backlog,
-        random_weights=args.random_weights,
-        model_config=args.model_config,
-        tokenizer=args.tokenizer,
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             nnodes=args.nnodes,

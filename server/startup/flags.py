@@ -24,8 +24,25 @@ class UsageError(ValueError):
     """Flags that contradict each other or name an unusable file: one sentence, exit 2."""
 
 
+def model_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The ServeConfig fields `add_model_flags` sets, from parsed arguments; a positional
+    MODEL (serve, tune) wins over --model."""
+    return {
+        "model": getattr(args, "model_path", None) or args.model,
+        "device": args.device,
+        "attention_backend": args.attention_backend,
+        "cpu_kernels": args.cpu_kernels,
+        "dtype": args.dtype,
+        "quantization": args.quantization,
+        "batch_invariant": args.batch_invariant,
+        "random_weights": args.random_weights,
+        "model_config": args.model_config,
+        "tokenizer": args.tokenizer,
+    }
+
+
 def add_model_flags(p: argparse.ArgumentParser) -> None:
-    """What to load and how to run it: shared by `serve` and `generate`."""
+    """What to load and how to run it: shared by `serve`, `generate` and `tune`."""
     p.add_argument(
         "--model",
         default=None,

@@ -13,24 +13,12 @@ import sys
 from model.greedy import greedy_tokens
 from model.text.detokenizer import IncrementalDetokenizer
 from server.startup.config import ServeConfig
+from server.startup.flags import model_settings
 from server.startup.launch import load
 
 
 def generate(args: argparse.Namespace) -> int:
-    loaded = load(
-        ServeConfig(
-            model=args.model,
-            device=args.device,
-            attention_backend=args.attention_backend,
-            cpu_kernels=args.cpu_kernels,
-            dtype=args.dtype,
-            quantization=args.quantization,
-            batch_invariant=args.batch_invariant,
-            random_weights=args.random_weights,
-            model_config=args.model_config,
-            tokenizer=args.tokenizer,
-        )
-    )
+    loaded = load(ServeConfig(**model_settings(args)))
     tok = loaded.tokenizer
     if args.chat:
         if loaded.chat_template is None:

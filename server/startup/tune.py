@@ -12,23 +12,14 @@ from model import tuning
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from server.startup.config import ServeConfig
+from server.startup.flags import model_settings
 from server.startup.launch import load
 
 
 def tune(args: argparse.Namespace) -> int:
     tuning.retune()
     config = ServeConfig(
-        model=args.model_path or args.model,
-        device=args.device,
-        attention_backend=args.attention_backend,
-        cpu_kernels=args.cpu_kernels,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        batch_invariant=args.batch_invariant,
-        random_weights=args.random_weights,
-        model_config=args.model_config,
-        tokenizer=args.tokenizer,
-        engine=EngineConfig(max_model_len=args.max_model_len),
+        **model_settings(args), engine=EngineConfig(max_model_len=args.max_model_len)
     )
     with tuning.startup():
         loaded = load(config)
