@@ -6,7 +6,8 @@ model/native/build.py); per int4 layer shape, our C kernel (bf16 or int8 activat
 PyTorch's; the output projection in grouped int8 or the model's dtype; the attention
 backend, and with the C attention the C RMSNorm and decoder layers (one library: all of
 them or none, so that the C path and the PyTorch reference each stay whole); the C argmax;
-and, recorded by the runner, the threads for one-token steps and the step's token budget.
+and, as the runner measures them, the threads for one-token steps and the step's token
+budget (all read off the model and runner for the one log line, `describe`).
 
 `--cpu-kernels` says how: `auto` (the default) times what depends on the CPU (remembered
 by model/tuning.py) and takes the C kernels where they win; `native` takes the C kernels
@@ -78,9 +79,8 @@ def int4_kernel(
         if "torch" not in allowed:
             check_quantization("w4a8")
         kernel = "torch"
-    elif _mode == "native":
+    elif _mode == "native":  # set_mode checked that the library builds
         kernel = next(k for k in allowed if k in NATIVE_INT4_KERNELS)
-        native_int4_matmul(kernel)  # built already: set_mode checked
     else:
         kernel = choose_int4_kernel(in_features, out_features, device, allowed)
     return kernel
@@ -92,12 +92,10 @@ def head_int8(config: ModelConfig, fmt: object, exact: bool, device: torch.devic
     from model.weight_format import choose_head_int8, head_int8_applies
 
     if _mode == "torch":
-        chosen = False
-    elif _mode == "native":
-        chosen = head_int8_applies(config, fmt, exact, device)
-    else:
-        chosen = choose_head_int8(config, fmt, exact, device)
-    return chosen
+        return False
+    if _mode == "native":
+        return head_int8_applies(config, fmt, exact, device)
+    return choose_head_int8(config, fmt, exact, device)
 
 
 def attention(name: str, device: torch.device | str) -> AttentionBackend:
@@ -112,10 +110,9 @@ def attention(name: str, device: torch.device | str) -> AttentionBackend:
     elif device.type == "cpu" and _mode == "native" and name == "auto":
         name = "cpu_paged"
     try:
-        backend = attention_backend(name, device)
+        return attention_backend(name, device)
     except ValueError as exc:
         raise UnsupportedFormatError(str(exc)) from None
-    return backend
 
 
 def use_kernels(model: torch.nn.Module, attention_name: str, device: str) -> None:
