@@ -20,8 +20,8 @@ from model.attention.base import AttentionBackend
 from model.batch import Batch
 from model.config import ModelConfig
 from model.int4_kernel import NATIVE_INT4_KERNELS
-from model.native.layer import NativeDecoderLayer
-from model.quantized_linear import Int4Linear
+from model.native.layer import INT4, INT4_A8, INT8_GROUPS, NativeDecoderLayer, NativeWeight
+from model.quantized_linear import Int4Linear, Int8GroupLinear
 from model.rope import apply_rope
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]
@@ -77,23 +77,23 @@ class DecoderLayer(nn.Module):
         # set by `Llama.use_native_layers` where every part of it fits.
         self.native: NativeDecoderLayer | None = None
 
-    def has_family_extras(self) -> bool:
-        c = self.config
-        return c.qkv_bias or c.qk_norm or c.sandwich_norms or c.hidden_act != "silu"
-
     def use_native(self) -> bool:
-        """Runs around attention in two native calls where every part fits: bf16 norms,
-        every projection on the C int4 kernel, no family extras, no tensor parallelism."""
-        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        """Runs around attention in two native calls where every part fits (bf16 norms
+        and bias, every projection on a C kernel) and without tensor parallelism."""
+        norms = (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm)
+        norms += (self.attn_out_norm, self.ffn_out_norm)
+        tensors = [n.weight for n in norms if n is not None]
+        tensors += [self.qkv_bias] if self.qkv_bias is not None else []
+        projections = [
+            _native_weight(p)
+            for p in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        ]
         fits = (
             self.reduce is None
-            and not self.has_family_extras()
-            and self.input_layernorm.weight.dtype == torch.bfloat16
-            and all(
-                isinstance(p, Int4Linear) and p.kernel in NATIVE_INT4_KERNELS for p in projections
-            )
+            and all(t.dtype == torch.bfloat16 for t in tensors)
+            and None not in projections
         )
-        self.native = NativeDecoderLayer(self) if fits else None
+        self.native = NativeDecoderLayer(self, projections) if fits else None
         return fits
 
     def forward(
@@ -116,7 +116,7 @@ class DecoderLayer(nn.Module):
             and rope[0].dtype == torch.float32  # the C layer reads fp32 angles
         ):
             decodes = getattr(plan, "decodes", None)  # the C attention's plan of decodes only
-            if decodes is not None:
+            if decodes is not None and window is None:  # the C decode attends to all
                 out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale)
                 if out is not None:
                     return out
@@ -144,3 +144,13 @@ class DecoderLayer(nn.Module):
         then normalised where the family does that."""
         out = self.reduce(out) if self.reduce else out
         return norm(out) if norm is not None else out
+
+
+def _native_weight(proj: nn.Module) -> NativeWeight | None:
+    """A projection as the C layer reads it; None where no C kernel multiplies it."""
+    if isinstance(proj, Int4Linear) and proj.kernel in NATIVE_INT4_KERNELS:
+        kind = INT4_A8 if proj.kernel == "native_a8" else INT4
+        return proj.weight_int4, proj.scales_and_zeros, kind
+    if isinstance(proj, Int8GroupLinear) and not proj.fp32_output:
+        return proj.weight_int8, proj.scales, INT8_GROUPS
+    return None

@@ -77,16 +77,8 @@ class Llama(nn.Module):
 
     def use_native_layers(self) -> int:
         """Every decoder layer whose parts all fit runs around attention in two native
-        calls (model/decoder_layer.py says what fits). Returns how many do; says once
-        when a family's extras keep them all on the PyTorch path."""
-        count = sum(layer.use_native() for layer in self.layers)
-        if count == 0 and any(layer.has_family_extras() for layer in self.layers):
-            logger.info(
-                "%s layers run on the PyTorch path around the C attention: the C decoder "
-                "layer computes Llama's, without the family's additions",
-                self.config.architecture,
-            )
-        return count
+        calls (model/native/layer.py says what fits). Returns how many do."""
+        return sum(layer.use_native() for layer in self.layers)
 
     def quantize_linears(self, quantization: str, wide: WideLayers | None = None) -> None:
         """Swaps every decoder linear layer for an empty quantised one before loading, so
@@ -215,7 +207,8 @@ class Llama(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies HF-named tensors into the (fused) parameters; every parameter must be
-        filled exactly once, or loading fails naming what is missing."""
+        filled exactly once, or loading fails naming what is missing. A tensor may come
+        as consecutive blocks of its rows under one name."""
         c = self.config
         # HF name suffix -> (our parameter suffix, row offset into the fused weight)
         fused = {
@@ -240,10 +233,13 @@ class Llama(nn.Module):
         if c.tie_embeddings:
             expected.discard("lm_head.weight@0")
         seen: set[str] = set()
+        rows_in: dict[str, int] = {}  # a tensor that comes in blocks of rows: rows so far
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if name == "lm_head.weight" and c.tie_embeddings:
                 continue  # some tied checkpoints still store a copy
+            block_row = rows_in.get(hf_name, 0)
+            rows_in[hf_name] = block_row + (tensor.shape[0] if tensor.dim() > 1 else 1)
             row = 0
             for hf_part, (ours, offset) in fused.items():
                 if f".{hf_part}." in name:
@@ -252,11 +248,12 @@ class Llama(nn.Module):
             name = name.replace("qkv_proj.bias", "qkv_bias")
             name = name.replace("self_attn.q_norm", "q_norm").replace("self_attn.k_norm", "k_norm")
             key = f"{name}@{row}"
+            row += block_row
             if key not in expected:
                 raise ValueError(f"unexpected weight {hf_name} with shape {tuple(tensor.shape)}")
             seen.add(key)
             if name == "embed_tokens.weight" and c.tie_embeddings and "lm_head.weight" in quantized:
-                quantized["lm_head.weight"].load_rows(0, tensor)  # tied: quantised from it
+                quantized["lm_head.weight"].load_rows(row, tensor)  # tied: quantised from it
                 if self.embed_from_head:
                     continue
             if name in quantized:

@@ -17,6 +17,7 @@ from model.loader import load_model
 from model.native.build import ISA_ENV
 from model.paged_cache import PagedKVCache
 from tests.native_builds import ISAS, library_at
+from tests.tiny_families import make_tiny
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 
 if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
@@ -139,3 +140,38 @@ def test_a_decode_step_in_one_call_equals_the_two_call_layer(tiny_dir) -> None:
     (one, cache_one), (two, cache_two) = decode_logits(True), decode_logits(False)
     assert torch.equal(one, two)
     assert torch.equal(cache_one.k, cache_two.k) and torch.equal(cache_one.v, cache_two.v)
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8g"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
+def test_each_family_runs_on_the_c_layer(family, quantization, tmp_path, monkeypatch) -> None:
+    # Qwen2's Q/K/V bias, the per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms
+    # after attention and the MLP and its GELU-tanh gate, on int4 and grouped int8 weights.
+    monkeypatch.setattr(cpu_kernels, "choose_int4_kernel", lambda *_: "native")
+    make_tiny(family, tmp_path)
+    model = load(tmp_path, quantization=quantization)
+    assert all(layer.native is not None for layer in model.layers)
+    layer = model.layers[0]
+    rows = 70
+    h = torch.randn(rows, model.config.dim, generator=torch.Generator().manual_seed(0))
+    h = h.bfloat16()
+    rope = model.rope(torch.arange(rows))
+    cache = PagedKVCache.allocate(model.config, 8, 16, torch.bfloat16)
+    batch = Batch.build([list(range(rows))], [0], [list(range(5))], 16)
+    plan = model.attention.plan(batch)
+    fused = layer(h, batch, rope, model.attention, plan, *cache.layer(0))
+    native, layer.native = layer.native, None
+    reference = layer(h, batch, rope, model.attention, plan, *cache.layer(0))
+    layer.native = native
+    assert relative_error(fused, reference) < 2e-3
+    assert (fused == reference).float().mean().item() > 0.9
+    # Without each addition the layer computes something else.
+    for part in ("qkv_bias", "q_norm", "attn_out_norm"):
+        if getattr(layer, part, None) is not None:
+            kept = getattr(layer, part)
+            setattr(layer, part, None)
+            layer.use_native()
+            plain = layer(h, batch, rope, model.attention, plan, *cache.layer(0))
+            setattr(layer, part, kept)
+            layer.use_native()
+            assert relative_error(plain, reference) > 1e-2, part

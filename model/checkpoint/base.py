@@ -34,7 +34,8 @@ class Checkpoint(ABC):
     @abstractmethod
     def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
         """HF-named tensors in `dtype` (quantised GGUF blocks dequantised), and whether
-        they are already `tp`'s rank's slices (else the loader cuts them)."""
+        they are already `tp`'s rank's slices (else the loader cuts them). Without `tp`, a
+        large tensor may come as consecutive blocks of its rows under its one name."""
 
     @abstractmethod
     def tokenizer(self) -> Tokenizer: ...

@@ -32,14 +32,17 @@ class GGUFCheckpoint(Checkpoint):
         check_tensor_types(self.gguf)
         names = {t.name for t in self.gguf.tensors}
         self.config = ModelConfig.from_gguf_metadata(self.gguf.metadata, names, source=str(path))
-        self.num_tensors = count_gguf_tensors(self.gguf)
+        self.num_tensors = count_gguf_tensors(self.gguf, self.config)
         self.checkpoint_bits = linear_weight_bits(self.gguf)
         self.wide_linears = wide_linears(self.gguf)
         self.head_exact_in_int8 = output_exact_in_int8(self.gguf)
         self.name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
 
     def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
-        return iter_gguf_weights(self.gguf, self.config, dtype), False
+        # The loader cuts a rank's slices from whole tensors, so under `tp` none comes in blocks.
+        blocks = tp is None
+        self.num_tensors = count_gguf_tensors(self.gguf, self.config, blocks)
+        return iter_gguf_weights(self.gguf, self.config, dtype, row_blocks=blocks), False
 
     def tokenizer(self) -> Tokenizer:
         return named_tokenizer(self.path, tokenizer_from_gguf, self.gguf.metadata)

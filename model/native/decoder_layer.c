@@ -1,16 +1,18 @@
-/* A decoder layer's work around attention, for the CPU in bf16 with int4 weights, in two
- * calls instead of about forty PyTorch ops: on 2 cores those ops' dispatch cost more than
- * the layer's arithmetic at one stream.
+/* A decoder layer's work around attention, for the CPU in bf16 with int4 or grouped int8
+ * weights, in two calls instead of about forty PyTorch ops: on 2 cores those ops' dispatch
+ * cost more than the layer's arithmetic at one stream.
  *
- * decoder_attention_input: RMSNorm, the fused Q/K/V projection, RoPE on Q and K.
- * decoder_attention_output: O projection and residual, RMSNorm, gate/up projection,
- * SiLU(gate) * up, down projection and residual.
+ * decoder_attention_input: RMSNorm, the fused Q/K/V projection (plus Qwen2's bias), the
+ * per-head Q/K RMSNorm (Qwen3, Gemma 3), RoPE on Q and K.
+ * decoder_attention_output: O projection (normalised in Gemma 3) and residual, RMSNorm,
+ * gate/up projection, SiLU(gate) * up or GELU-tanh(gate) * up, down projection (normalised
+ * in Gemma 3) and residual.
  * decoder_layer_decode: for a batch of decodes, both around the cache writes and decode
  * attention: the whole layer in one call.
  *
- * Each step rounds to bf16 where the PyTorch layer (model/llama.py) does: every op's output
- * is a bf16 tensor there, so it is here. Rows are computed alone, in the same order
- * whatever the batch.
+ * Each step rounds to bf16 where the PyTorch layer (model/decoder_layer.py) does: every
+ * op's output is a bf16 tensor there, so it is here. Rows are computed alone, in the same
+ * order whatever the batch.
  */
 #include <math.h>
 #include <stdint.h>
@@ -30,25 +32,50 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
 int int4_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                         const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 
-typedef struct {
-    const uint8_t *weight; /* int4_matmul.c's tiled layout */
-    const uint16_t *scales;
-    int64_t int8_activations; /* run on int4_matmul_a8.c, else on int4_matmul.c */
-} int4_weight;
+int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
+                     float *y, int64_t rows, int64_t n_out, int64_t k);
 
-static int int4_matmul(const int4_weight *w, const uint16_t *x, int64_t x_stride, uint16_t *y,
-                       int64_t rows, int64_t n_out, int64_t k) {
-    return (w->int8_activations ? int4_matmul_a8_bf16 : int4_matmul_bf16)(
-        x, x_stride, w->weight, w->scales, y, rows, n_out, k);
+/* How a projection's weight is stored and multiplied. */
+enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2 };
+
+typedef struct {
+    const uint8_t *weight; /* int4_matmul.c's or int8_matmul.c's tiled layout */
+    const void *scales;    /* int4: bf16 scale and zero pairs; grouped int8: fp32 scales */
+    int64_t kind;
+} layer_weight;
+
+/* y [rows, n_out] bf16. Grouped int8 sums in fp32, rounded to bf16 as the PyTorch layer
+ * rounds Int8GroupLinear's output to the activations' dtype. */
+static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, uint16_t *y,
+                  int64_t rows, int64_t n_out, int64_t k) {
+    if (w->kind == INT4)
+        return int4_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
+    if (w->kind == INT4_A8)
+        return int4_matmul_a8_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
+    float *out = malloc(sizeof(float) * (rows > 0 ? rows : 1) * n_out);
+    if (out == NULL) return 2;
+    int status = int8_matmul_bf16(x, x_stride, w->weight, w->scales, out, rows, n_out, k);
+    for (int64_t i = 0; i < rows * n_out && !status; i++) y[i] = to_bf16(out[i]);
+    free(out);
+    return status;
 }
 
-/* Mirrored by a ctypes.Structure in model/native/layer.py: same fields, same order. */
+/* Mirrored by a ctypes.Structure in model/native/layer.py: same fields, same order. The
+ * family's optional parts are NULL where it has none. */
 typedef struct {
     const uint16_t *input_norm, *post_attention_norm;
-    int4_weight qkv, o, gate_up, down;
+    layer_weight qkv, o, gate_up, down;
+    const uint16_t *qkv_bias;                    /* Qwen2 */
+    const uint16_t *q_norm, *k_norm;             /* per head: Qwen3, Gemma 3 */
+    const uint16_t *attn_out_norm, *ffn_out_norm; /* Gemma 3 */
+    int64_t gelu;                                /* GELU-tanh gate (Gemma 3), else SiLU */
     int64_t dim, n_heads, n_kv, head_dim, ffn;
     float eps;
 } decoder_layer;
+
+static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
+    return to_bf16(from_bf16(a) + from_bf16(b));
+}
 
 /* h [rows, dim]; cos, sin [rows, head_dim / 2] fp32; qkv [rows, (n_heads + 2 n_kv)
  * head_dim] receives Q and K rotated (HF layout: each head's two halves) and V. Returns 0,
@@ -59,11 +86,19 @@ int decoder_attention_input(const decoder_layer *l, const uint16_t *h, int64_t r
     uint16_t *normed = malloc(sizeof(uint16_t) * (rows > 0 ? rows : 1) * l->dim);
     if (normed == NULL) return 2;
     rms_norm_bf16(h, l->input_norm, normed, rows, l->dim, l->eps);
-    int status = int4_matmul(&l->qkv, normed, l->dim, qkv, rows, width, l->dim);
+    int status = matmul(&l->qkv, normed, l->dim, qkv, rows, width, l->dim);
     free(normed);
     if (status) return status;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++) {
+        uint16_t *row = qkv + r * width;
+        if (l->qkv_bias != NULL)
+            for (int64_t i = 0; i < width; i++) row[i] = add_bf16(row[i], l->qkv_bias[i]);
+        if (l->q_norm != NULL) {
+            rms_norm_bf16(row, l->q_norm, row, l->n_heads, l->head_dim, l->eps);
+            rms_norm_bf16(row + l->n_heads * l->head_dim, l->k_norm,
+                          row + l->n_heads * l->head_dim, l->n_kv, l->head_dim, l->eps);
+        }
         const float *c = cos + r * half, *s = sin + r * half;
         for (int64_t head = 0; head < l->n_heads + l->n_kv; head++) {
             uint16_t *x = qkv + r * width + head * l->head_dim;
@@ -75,10 +110,6 @@ int decoder_attention_input(const decoder_layer *l, const uint16_t *h, int64_t r
         }
     }
     return 0;
-}
-
-static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
-    return to_bf16(from_bf16(a) + from_bf16(b));
 }
 
 /* h [rows, dim]; attn [rows, attn_stride], its first n_heads head_dim columns read; out
@@ -93,22 +124,27 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
     uint16_t *act = malloc(sizeof(uint16_t) * n * ffn);
     int status = 2;
     if (!projected || !normed || !gate_up || !act) goto done;
-    if ((status = int4_matmul(&l->o, attn, attn_stride, projected, rows, dim, q_size)))
-        goto done;
+    if ((status = matmul(&l->o, attn, attn_stride, projected, rows, dim, q_size))) goto done;
+    if (l->attn_out_norm != NULL)
+        rms_norm_bf16(projected, l->attn_out_norm, projected, rows, dim, l->eps);
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(h[i], projected[i]);
     rms_norm_bf16(out, l->post_attention_norm, normed, rows, dim, l->eps);
-    if ((status = int4_matmul(&l->gate_up, normed, dim, gate_up, rows, 2 * ffn, dim)))
-        goto done;
+    if ((status = matmul(&l->gate_up, normed, dim, gate_up, rows, 2 * ffn, dim))) goto done;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < ffn; i++) {
             const float g = from_bf16(gate_up[r * 2 * ffn + i]);
-            const float silu = round_to(g / (1.0f + expf(-g)), 1);
-            act[r * ffn + i] = to_bf16(silu * from_bf16(gate_up[r * 2 * ffn + ffn + i]));
+            /* torch's GELU-tanh: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))) */
+            const float a = l->gelu ? 0.5f * g *
+                                          (1.0f + tanhf(0.7978845608028654f *
+                                                        (g + 0.044715f * g * g * g)))
+                                    : g / (1.0f + expf(-g));
+            act[r * ffn + i] = to_bf16(round_to(a, 1) * from_bf16(gate_up[r * 2 * ffn + ffn + i]));
         }
-    if ((status = int4_matmul(&l->down, act, ffn, projected, rows, dim, ffn)))
-        goto done;
+    if ((status = matmul(&l->down, act, ffn, projected, rows, dim, ffn))) goto done;
+    if (l->ffn_out_norm != NULL)
+        rms_norm_bf16(projected, l->ffn_out_norm, projected, rows, dim, l->eps);
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(out[i], projected[i]);
 done:

@@ -1,6 +1,8 @@
 """A decoder layer's work around attention in two C calls (decoder_layer.c), for bf16
-models whose linear layers all run on the C int4 kernels (bf16 or int8 activations, per
-projection).
+models whose linear layers all run on the C kernels (int4 with bf16 or int8 activations, or
+grouped int8, per projection), with each family's additions: Qwen2's Q/K/V bias, the
+per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms after attention and the MLP and
+its GELU-tanh gate.
 
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
 casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
@@ -32,8 +34,14 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # [rows] int64, the new token included
 
 
-class _Int4Weight(ctypes.Structure):
-    _fields_ = [("weight", _PTR), ("scales", _PTR), ("int8_activations", _I64)]
+# decoder_layer.c's weight kinds: int4 with bf16 or with int8 activations, grouped int8
+INT4, INT4_A8, INT8_GROUPS = 0, 1, 2
+# A projection as the C layer reads it: weight bytes, scales, kind.
+NativeWeight = tuple[torch.Tensor, torch.Tensor, int]
+
+
+class _Weight(ctypes.Structure):
+    _fields_ = [("weight", _PTR), ("scales", _PTR), ("kind", _I64)]
 
 
 class _DecoderLayer(ctypes.Structure):
@@ -42,10 +50,16 @@ class _DecoderLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR),
         ("post_attention_norm", _PTR),
-        ("qkv", _Int4Weight),
-        ("o", _Int4Weight),
-        ("gate_up", _Int4Weight),
-        ("down", _Int4Weight),
+        ("qkv", _Weight),
+        ("o", _Weight),
+        ("gate_up", _Weight),
+        ("down", _Weight),
+        ("qkv_bias", _PTR),
+        ("q_norm", _PTR),
+        ("k_norm", _PTR),
+        ("attn_out_norm", _PTR),
+        ("ffn_out_norm", _PTR),
+        ("gelu", _I64),
         ("dim", _I64),
         ("n_heads", _I64),
         ("n_kv", _I64),
@@ -56,10 +70,10 @@ class _DecoderLayer(ctypes.Structure):
 
 
 class NativeDecoderLayer:
-    """Holds one layer's weight pointers. `layer` is a DecoderLayer whose projections are
-    Int4Linear on a C kernel and whose norms are bf16: the caller checks."""
+    """Holds one layer's weight pointers: `layer` is a DecoderLayer with bf16 norms (and
+    bias), `projections` its Q/K/V, O, gate/up and down weights; the caller checks."""
 
-    def __init__(self, layer: torch.nn.Module) -> None:
+    def __init__(self, layer: torch.nn.Module, projections: list[NativeWeight]) -> None:
         library = load_library()
         self._input = library.decoder_attention_input
         self._input.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR]
@@ -75,21 +89,25 @@ class NativeDecoderLayer:
         self.q_size, self.kv_size, self.dim = c.q_size, c.kv_size, c.dim
         self.n_heads, self.n_kv, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         # The tensors are referenced here, so the pointers below stay valid.
-        self._tensors = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        self._tensors: list[torch.Tensor] = []
         weights = []
-        for proj in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj):
-            self._tensors += [proj.weight_int4, proj.scales_and_zeros]
-            weights.append(
-                _Int4Weight(
-                    proj.weight_int4.data_ptr(),
-                    proj.scales_and_zeros.data_ptr(),
-                    proj.kernel == "native_a8",
-                )
-            )
+        for weight, scales, kind in projections:
+            self._tensors += [weight, scales]
+            weights.append(_Weight(weight.data_ptr(), scales.data_ptr(), kind))
+        optional = [
+            layer.qkv_bias,
+            *(
+                norm.weight if norm is not None else None
+                for norm in (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.ffn_out_norm)
+            ),
+        ]
+        self._tensors += [t for t in optional if t is not None]
         self._struct = _DecoderLayer(
             layer.input_layernorm.weight.data_ptr(),
             layer.post_attention_layernorm.weight.data_ptr(),
             *weights,
+            *(t.data_ptr() if t is not None else None for t in optional),
+            c.hidden_act != "silu",
             c.dim,
             c.n_heads,
             c.n_kv_heads,
@@ -97,6 +115,7 @@ class NativeDecoderLayer:
             c.ffn_dim,
             layer.input_layernorm.eps,
         )
+        self._tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         self._pointer = ctypes.addressof(self._struct)
 
     def attention_input(

@@ -10,6 +10,7 @@ and the mistake gives no error, only wrong text. Families llama.cpp rotates NeoX
 
 import re
 from collections.abc import Iterator
+from math import prod
 
 import torch
 
@@ -17,7 +18,7 @@ from model.config import ModelConfig
 from model.errors import ModelFileError
 from model.families import FAMILIES
 from model.weights.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
-from model.weights.gguf_file import GGUFFile
+from model.weights.gguf_file import GGUFFile, GGUFTensor
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -60,9 +61,25 @@ def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
+# A tensor larger than this in float32 (a vocabulary's embedding or output weight) comes in
+# blocks of rows: dequantised whole, Qwen2.5-0.5B's 152k-row embedding alone took 545 MB in
+# float32 and as much again in temporaries, doubling the server's peak memory at load.
+ROW_BLOCK_BYTES = 64 << 20
+
+
+def _block_rows(tensor: GGUFTensor, permuted: bool) -> int:
+    shape = tuple(reversed(tensor.shape))
+    if len(shape) == 1 or (permuted and tensor.name.endswith(("attn_q.weight", "attn_k.weight"))):
+        return shape[0] if len(shape) > 1 else 1
+    return max(1, min(shape[0], ROW_BLOCK_BYTES // (4 * prod(shape[1:]))))
+
+
 def iter_gguf_weights(
-    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype
+    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, row_blocks: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """With `row_blocks`, a large tensor may come as consecutive blocks of its rows, each
+    under the tensor's name, in order (`Llama.load_weights` takes them so); Q and K, whose
+    rows are reordered per head, always come whole."""
     permuted = FAMILIES[config.architecture].gguf_permutes_qk
     for tensor in gguf.tensors:
         if tensor.name in _IGNORED:
@@ -71,16 +88,24 @@ def iter_gguf_weights(
         if name is None:
             raise ModelFileError(f"{gguf.path}: unexpected tensor {tensor.name!r}")
         shape = tuple(reversed(tensor.shape))
-        raw = torch.frombuffer(gguf.read(tensor), dtype=torch.uint8)
-        try:
-            weight = dequantize(raw, tensor.tensor_type, shape, dtype)
-        except UnsupportedQuantType as exc:
-            raise ModelFileError(f"{gguf.path}: tensor {tensor.name}: {exc}") from None
-        if permuted and tensor.name.endswith("attn_q.weight"):
-            weight = interleaved_to_halves(weight, config.n_heads)
-        elif permuted and tensor.name.endswith("attn_k.weight"):
-            weight = interleaved_to_halves(weight, config.n_kv_heads)
-        yield name, weight
+        rows = shape[0] if len(shape) > 1 else 1
+        block = _block_rows(tensor, permuted) if row_blocks else rows
+        row_bytes = tensor.nbytes // rows
+        for first in range(0, rows, block):
+            count = min(block, rows - first)
+            raw = torch.frombuffer(
+                gguf.read(tensor, first * row_bytes, count * row_bytes), dtype=torch.uint8
+            )
+            part = (count, *shape[1:]) if len(shape) > 1 else shape
+            try:
+                weight = dequantize(raw, tensor.tensor_type, part, dtype)
+            except UnsupportedQuantType as exc:
+                raise ModelFileError(f"{gguf.path}: tensor {tensor.name}: {exc}") from None
+            if permuted and tensor.name.endswith("attn_q.weight"):
+                weight = interleaved_to_halves(weight, config.n_heads)
+            elif permuted and tensor.name.endswith("attn_k.weight"):
+                weight = interleaved_to_halves(weight, config.n_kv_heads)
+            yield name, weight
 
 
 def check_tensor_types(gguf: GGUFFile) -> None:
@@ -152,5 +177,13 @@ def output_exact_in_int8(gguf: GGUFFile) -> bool:
     return types.get("output.weight", types.get("token_embd.weight")) in _EXACT_IN_INT8
 
 
-def count_gguf_tensors(gguf: GGUFFile) -> int:
-    return sum(1 for t in gguf.tensors if t.name not in _IGNORED)
+def count_gguf_tensors(gguf: GGUFFile, config: ModelConfig, row_blocks: bool = True) -> int:
+    """How many tensors, or blocks of rows, `iter_gguf_weights` yields."""
+    if not row_blocks:
+        return sum(1 for t in gguf.tensors if t.name not in _IGNORED)
+    permuted = FAMILIES[config.architecture].gguf_permutes_qk
+    return sum(
+        -(-(t.shape[-1] if len(t.shape) > 1 else 1) // _block_rows(t, permuted))
+        for t in gguf.tensors
+        if t.name not in _IGNORED
+    )

@@ -58,12 +58,14 @@ class GGUFFile:
     def architecture(self) -> str:
         return str(self.metadata.get("general.architecture", ""))
 
-    def read(self, tensor: GGUFTensor) -> bytearray:
-        """The tensor's bytes, a writable copy."""
+    def read(self, tensor: GGUFTensor, start: int = 0, nbytes: int | None = None) -> bytearray:
+        """`nbytes` of the tensor's bytes from byte `start` (all of them by default), a
+        writable copy."""
+        nbytes = tensor.nbytes - start if nbytes is None else nbytes
         with open(self.path, "rb") as f:
-            f.seek(tensor.offset)
-            data = bytearray(tensor.nbytes)
-            if f.readinto(data) != tensor.nbytes:
+            f.seek(tensor.offset + start)
+            data = bytearray(nbytes)
+            if f.readinto(data) != nbytes:
                 raise ModelFileError(f"{self.path}: tensor {tensor.name} is cut short")
         return data
 
