@@ -14,6 +14,7 @@ from model.batch import Batch
 from model.greedy import greedy_tokens
 from model.loader import load_model
 from model.paged_cache import PagedKVCache
+from model.weights import gguf as gguf_weights
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
@@ -65,9 +66,11 @@ def test_the_gguf_writer_agrees_with_transformers(checkpoint) -> None:
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "cpu_paged"])
-@pytest.mark.parametrize("source", ["safetensors", "gguf"])
-def test_logits_match_transformers(checkpoint, source, backend) -> None:
+@pytest.mark.parametrize("source", ["safetensors", "gguf", "gguf_in_blocks"])
+def test_logits_match_transformers(checkpoint, source, backend, monkeypatch) -> None:
     name, hf, directory, gguf = checkpoint
+    if source == "gguf_in_blocks":  # every matrix in blocks of 16 rows or fewer, as large ones load
+        monkeypatch.setattr(gguf_weights, "ROW_BLOCK_BYTES", 4096)
     loaded = load_model(
         directory if source == "safetensors" else gguf,
         dtype=torch.float32,
