@@ -25,8 +25,8 @@ def greedy_tokens(
 ) -> Iterator[int]:
     if not prompt_ids:
         raise ValueError("the prompt is empty")
-    device = model.embed_tokens.weight.device
-    dtype = model.embed_tokens.weight.dtype
+    device = model.device
+    dtype = model.dtype
     total = len(prompt_ids) + max_new_tokens
     num_blocks = -(-total // block_size)
     cache = PagedKVCache.allocate(model.config, num_blocks, block_size, dtype, device)

@@ -63,6 +63,15 @@ class Llama(nn.Module):
         self.tie_weights()
         self.rope, self.rope_local = rotary_embeddings(config, max_position, device)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activations' dtype, the residual stream's."""
+        return self.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def tie_weights(self) -> None:
         # A quantised output projection is its own packed copy of the embedding.
         if self.config.tie_embeddings and isinstance(self.lm_head, nn.Linear):
@@ -195,7 +204,7 @@ class Llama(nn.Module):
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.embed_from_head:
-            return self.lm_head.embed(ids, self.norm.weight.dtype)
+            return self.lm_head.embed(ids, self.dtype)
         if not self.tp:
             return self.embed_tokens(ids)
         # Each rank looks up the ids in its vocabulary rows; exactly one rank has each.

@@ -94,6 +94,9 @@ def load_model(
     head_int8 = tp is None and kernel_plan.head_int8(
         config, fmt, checkpoint.head_exact_in_int8, torch.device(device)
     )
+    # On the CPU a quantised embedding stays in the file's blocks, read as rows are looked up.
+    cpu = torch.device(device).type == "cpu"
+    embedding = checkpoint.packed_embedding(fmt.dtype) if cpu and tp is None else None
     # Quantised layers are filled from the checkpoint's own values, not a rounded copy.
     weights, presharded = checkpoint.weights(torch.float32 if fmt.quantization else fmt.dtype, tp)
     if tp is not None and not presharded:
@@ -108,6 +111,8 @@ def load_model(
         head_int8=head_int8,
         wide=(fmt.wide, wide) if fmt.wide else None,
     )
+    if embedding is not None:
+        model.embed_tokens = embedding
     bar = tqdm(
         weights,
         total=checkpoint.num_tensors,

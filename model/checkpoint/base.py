@@ -37,6 +37,12 @@ class Checkpoint(ABC):
         they are already `tp`'s rank's slices (else the loader cuts them). Without `tp`, a
         large tensor may come as consecutive blocks of its rows under its one name."""
 
+    def packed_embedding(self, dtype: torch.dtype) -> torch.nn.Module | None:
+        """The token embedding as a module that reads the file's quantised rows as they
+        are looked up (model/packed_embedding.py), or None where the format has none; once
+        handed over, `weights` leaves it out."""
+        return None
+
     @abstractmethod
     def tokenizer(self) -> Tokenizer: ...
 

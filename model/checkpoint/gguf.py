@@ -9,11 +9,13 @@ import torch
 
 from model.checkpoint.base import Checkpoint, Weights, named_tokenizer
 from model.config import ModelConfig
+from model.packed_embedding import PackedEmbedding
 from model.parallel.plan import TensorParallel
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
 from model.text.tokenizer_files import tokenizer_from_gguf
 from model.weights.default_model import DEFAULT_MODEL_NAME, default_model_path_or_none
+from model.weights.dequant import FLOAT_TYPES
 from model.weights.gguf import (
     check_tensor_types,
     count_gguf_tensors,
@@ -36,13 +38,25 @@ class GGUFCheckpoint(Checkpoint):
         self.checkpoint_bits = linear_weight_bits(self.gguf)
         self.wide_linears = wide_linears(self.gguf)
         self.head_exact_in_int8 = output_exact_in_int8(self.gguf)
+        self._handed_over: set[str] = set()  # by `packed_embedding`
         self.name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
 
     def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
         # The loader cuts a rank's slices from whole tensors, so under `tp` none comes in blocks.
-        blocks = tp is None
-        self.num_tensors = count_gguf_tensors(self.gguf, self.config, blocks)
-        return iter_gguf_weights(self.gguf, self.config, dtype, row_blocks=blocks), False
+        blocks, skip = tp is None, frozenset(self._handed_over)
+        self.num_tensors = count_gguf_tensors(self.gguf, self.config, blocks, skip)
+        weights = iter_gguf_weights(self.gguf, self.config, dtype, row_blocks=blocks, skip=skip)
+        return weights, False
+
+    def packed_embedding(self, dtype: torch.dtype) -> PackedEmbedding | None:
+        """The token embedding left in the file's own blocks, where the file stores it
+        quantised and apart from the output projection; `weights` then leaves it out."""
+        tensor = next((t for t in self.gguf.tensors if t.name == "token_embd.weight"), None)
+        if tensor is None or tensor.tensor_type in FLOAT_TYPES or self.config.tie_embeddings:
+            return None
+        self._handed_over.add(tensor.name)
+        dim, rows = tensor.shape
+        return PackedEmbedding(self.path, tensor.offset, rows, dim, tensor.tensor_type, dtype)
 
     def tokenizer(self) -> Tokenizer:
         return named_tokenizer(self.path, tokenizer_from_gguf, self.gguf.metadata)

@@ -128,13 +128,19 @@ class NativeInt8Matmul(_TiledMatmul):
 
     @staticmethod
     def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [out, in] int8; scales [out, in / 32] fp32. Returns the kernel's weight bytes
-        and scales, in the tile order int8_matmul.c describes."""
+        """q [out, in] int8, contiguous, reordered in place; scales [out, in / 32] fp32.
+        Returns the kernel's weight bytes (q's storage) and scales, in the tile order
+        int8_matmul.c describes."""
         out_features, in_features = q.shape
         tiles, groups = out_features // 16, in_features // 32
-        weight = q.reshape(tiles, 16, groups, 16, 2).permute(0, 2, 3, 1, 4)
+        # Each tile of 16 rows lands on its own rows' bytes, so `q` is reordered in place, a
+        # few tiles at a time: a vocabulary's weight is not held twice.
+        tiled = q.reshape(tiles, 16, groups, 16, 2)
+        for first in range(0, tiles, 64):
+            part = tiled[first : first + 64]
+            part.copy_(part.permute(0, 2, 3, 1, 4).contiguous().view(part.shape))
         tiled_scales = scales.reshape(tiles, 16, groups).permute(0, 2, 1)
-        return weight.contiguous().reshape(-1), tiled_scales.contiguous().reshape(-1)
+        return q.reshape(-1), tiled_scales.contiguous().reshape(-1)
 
     @staticmethod
     def rows(

@@ -173,14 +173,14 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tenso
     GGMLQuantizationType.Q6_K: _decode_q6_k,
 }
 
-_FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
+FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {
     GGMLQuantizationType.F32: torch.float32,
     GGMLQuantizationType.F16: torch.float16,
     GGMLQuantizationType.BF16: torch.bfloat16,
 }
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(_BLOCK_DECODERS) | frozenset(
-    _FLOAT_TYPES
+    FLOAT_TYPES
 )
 
 
@@ -223,8 +223,8 @@ def dequantize(
         )
 
     flat = raw.reshape(-1)
-    if qtype in _FLOAT_TYPES:
+    if qtype in FLOAT_TYPES:
         # Always copy: a same-dtype view would alias `raw`, often a read-only memory map, so
         # a later in-place edit of the weight would crash there or rewrite the caller's bytes.
-        return flat.view(_FLOAT_TYPES[qtype]).reshape(shape).to(dtype, copy=True)
+        return flat.view(FLOAT_TYPES[qtype]).reshape(shape).to(dtype, copy=True)
     return _BLOCK_DECODERS[qtype](flat.reshape(-1, type_size)).reshape(shape).to(dtype)

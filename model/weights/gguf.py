@@ -75,14 +75,19 @@ def _block_rows(tensor: GGUFTensor, permuted: bool) -> int:
 
 
 def iter_gguf_weights(
-    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, row_blocks: bool = True
+    gguf: GGUFFile,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    row_blocks: bool = True,
+    skip: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """With `row_blocks`, a large tensor may come as consecutive blocks of its rows, each
     under the tensor's name, in order (`Llama.load_weights` takes them so); Q and K, whose
-    rows are reordered per head, always come whole."""
+    rows are reordered per head, always come whole. The GGUF tensors named in `skip` are
+    left out."""
     permuted = FAMILIES[config.architecture].gguf_permutes_qk
     for tensor in gguf.tensors:
-        if tensor.name in _IGNORED:
+        if tensor.name in _IGNORED or tensor.name in skip:
             continue
         name = hf_name(tensor.name)
         if name is None:
@@ -177,13 +182,17 @@ def output_exact_in_int8(gguf: GGUFFile) -> bool:
     return types.get("output.weight", types.get("token_embd.weight")) in _EXACT_IN_INT8
 
 
-def count_gguf_tensors(gguf: GGUFFile, config: ModelConfig, row_blocks: bool = True) -> int:
+def count_gguf_tensors(
+    gguf: GGUFFile,
+    config: ModelConfig,
+    row_blocks: bool = True,
+    skip: frozenset[str] = frozenset(),
+) -> int:
     """How many tensors, or blocks of rows, `iter_gguf_weights` yields."""
-    if not row_blocks:
-        return sum(1 for t in gguf.tensors if t.name not in _IGNORED)
     permuted = FAMILIES[config.architecture].gguf_permutes_qk
+    tensors = [t for t in gguf.tensors if t.name not in _IGNORED and t.name not in skip]
+    if not row_blocks:
+        return len(tensors)
     return sum(
-        -(-(t.shape[-1] if len(t.shape) > 1 else 1) // _block_rows(t, permuted))
-        for t in gguf.tensors
-        if t.name not in _IGNORED
+        -(-(t.shape[-1] if len(t.shape) > 1 else 1) // _block_rows(t, permuted)) for t in tensors
     )

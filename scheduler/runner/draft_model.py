@@ -31,11 +31,10 @@ from scheduler.step_data import ScheduledRequest
 class DraftModel:
     def __init__(self, model: Llama, num_blocks: int, block_size: int) -> None:
         self.model = model
-        weight = model.embed_tokens.weight
-        self.device = weight.device
+        self.device = model.device
         self.block_size = block_size
         self.kv_cache = PagedKVCache.allocate(
-            model.config, num_blocks, block_size, weight.dtype, weight.device
+            model.config, num_blocks, block_size, model.dtype, model.device
         )
         # Per sequence, how many of its positions the draft's cache holds, as of the last
         # step the draft ran; only that step's sequences are kept.

@@ -26,8 +26,8 @@ def run_largest_step(
 ) -> int:
     """Runs the step on a scratch cache just big enough for it; returns the scratch cache's
     bytes (the caller's peak reading includes them, and the real cache replaces them)."""
-    device = model.embed_tokens.weight.device
-    dtype = model.embed_tokens.weight.dtype
+    device = model.device
+    dtype = model.dtype
     num_seqs = max(1, min(num_seqs, num_tokens))
     lengths = [num_tokens // num_seqs] * num_seqs
     lengths[0] += num_tokens - sum(lengths)
@@ -72,7 +72,7 @@ def gpu_kv_budget(
     gpu_memory_utilization: float,
 ) -> int:
     """Bytes for the KV cache on the model's CUDA device."""
-    device = model.embed_tokens.weight.device
+    device = model.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)

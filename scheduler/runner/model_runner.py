@@ -51,8 +51,7 @@ class ModelRunner:
         """`draft`: a draft model for speculation (--speculative-config's "model"); its
         KV cache takes as many blocks as the target's, out of the same budget."""
         self.model = model
-        weight = model.embed_tokens.weight
-        self.device = weight.device
+        self.device = model.device
         self.block_size = config.block_size
         self.sampler = Sampler()
         # Ids a sequence may sample: a checkpoint's vocabulary is often padded past its
@@ -69,12 +68,12 @@ class ModelRunner:
                 config.gpu_memory_utilization,
             )
         capacity = plan_kv_capacity(
-            config, model.config, weight.dtype, weight.device, budget, draft and draft.config
+            config, model.config, model.dtype, model.device, budget, draft and draft.config
         )
         self.num_blocks = capacity.num_blocks
         self.max_model_len = capacity.max_model_len
         self.kv_cache = PagedKVCache.allocate(
-            model.config, capacity.num_blocks, config.block_size, weight.dtype, weight.device
+            model.config, capacity.num_blocks, config.block_size, model.dtype, model.device
         )
         if model.tp is not None:
             logger.info(
@@ -141,7 +140,7 @@ class ModelRunner:
             "modules": sorted(modules),
             "native_layers": sum(getattr(m, "native", None) is not None for m in self.model.layers),
             "attention": self.model.attention.name,
-            "dtype": str(self.model.embed_tokens.weight.dtype),
+            "dtype": str(self.model.dtype),
             "block_size": self.block_size,
         }
 

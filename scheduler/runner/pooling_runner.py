@@ -46,8 +46,7 @@ class DecoderPoolingRunner:
         self.max_model_len = max_model_len
         self.dim = model.config.dim
         self.block_size = block_size
-        weight = model.embed_tokens.weight
-        self.device = weight.device
+        self.device = model.device
         # Enough for the largest step the engine forms: a full token budget spread over
         # max_num_seqs inputs (each rounds up to a block), or one input of the longest
         # length alone. On a CPU the pages of blocks never written are never resident.
@@ -56,7 +55,7 @@ class DecoderPoolingRunner:
             -(-max_num_batched_tokens // block_size) + max_num_seqs,
         )
         self.kv_cache = PagedKVCache.allocate(
-            model.config, blocks, block_size, weight.dtype, weight.device
+            model.config, blocks, block_size, model.dtype, model.device
         )
 
     def embed(self, token_ids: list[list[int]]) -> np.ndarray:

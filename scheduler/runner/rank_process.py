@@ -92,7 +92,7 @@ def serve_steps(spec: WorkerSpec) -> int:
             tp=tp,
         )
     model = loaded.model
-    dtype = model.embed_tokens.weight.dtype
+    dtype = model.dtype
     cache: PagedKVCache | None = None
     while True:
         message = broadcast(None)

@@ -1,0 +1,58 @@
+"""An embedding table kept as the GGUF file stores it, in its quantisation blocks, and
+dequantised a row at a time as tokens are looked up.
+
+A vocabulary of 152k rows is most of a small model: Qwen2.5-0.5B's embedding held 259 MB in
+bf16, more than all its decoder layers in int8, while a step reads only its tokens' rows.
+Here the table is the file's own bytes, memory-mapped as llama.cpp maps them: only the
+pages of rows ever looked up become resident, and a row comes out exactly as dequantising
+the whole table would have given it (model/weights/dequant.py). The file must not change
+while the model runs.
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+from pathlib import Path
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from torch import nn
+
+from model.weights.dequant import dequantize
+
+
+class PackedEmbedding(nn.Module):
+    def __init__(
+        self,
+        path: Path,
+        offset: int,
+        rows: int,
+        dim: int,
+        qtype: GGMLQuantizationType,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.dim, self.qtype, self.dtype = dim, qtype, dtype
+        with open(path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        row_bytes = dim // block * type_size
+        with warnings.catch_warnings():  # read-only: rows are only ever gathered (copied)
+            warnings.simplefilter("ignore", UserWarning)
+            table = torch.frombuffer(
+                self._map, dtype=torch.uint8, count=rows * row_bytes, offset=offset
+            )
+        self.table = table.view(rows, row_bytes)
+
+    @property
+    def num_embeddings(self) -> int:
+        return self.table.shape[0]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table[ids.reshape(-1).cpu()]
+        values = dequantize(rows.reshape(-1), self.qtype, (rows.shape[0], self.dim), self.dtype)
+        return values.to(ids.device).reshape(*ids.shape, self.dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.dim}, {self.qtype.name}, memory-mapped"

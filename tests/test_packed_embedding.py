@@ -1,0 +1,40 @@
+"""A quantised, untied GGUF embedding stays in the file's blocks (model/packed_embedding.py):
+the rows it looks up equal the `gguf` package's own dequantisation of the whole table, and
+the model's logits equal those of the same weights loaded as a dense table."""
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.quants import dequantize
+
+from model.batch import Batch
+from model.checkpoint.gguf import GGUFCheckpoint
+from model.loader import load_model
+from model.packed_embedding import PackedEmbedding
+from model.paged_cache import PagedKVCache
+from tests.tiny_families import make_tiny, write_gguf
+
+
+@pytest.mark.parametrize("qtype", [GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0])
+def test_rows_equal_the_dequantised_table(tmp_path, qtype, monkeypatch) -> None:
+    hf = make_tiny("qwen3", tmp_path)  # an untied output projection
+    path = write_gguf(
+        hf, "qwen3", tmp_path, tmp_path / "e.gguf", types={"token_embd.weight": qtype}
+    )
+    model = load_model(path, dtype=torch.float32, progress=False).model
+    assert isinstance(model.embed_tokens, PackedEmbedding)
+    stored = next(t for t in GGUFReader(path).tensors if t.name == "token_embd.weight")
+    table = torch.from_numpy(dequantize(stored.data, qtype).copy()).reshape(512, -1)
+    ids = torch.tensor([[0, 5, 511], [7, 7, 100]])
+    assert torch.equal(model.embed_tokens(ids), table[ids])
+
+    # The same file with the table dequantised whole at load gives the same logits.
+    monkeypatch.setattr(GGUFCheckpoint, "packed_embedding", lambda self, dtype: None)
+    dense = load_model(path, dtype=torch.float32, progress=False).model
+    assert isinstance(dense.embed_tokens, torch.nn.Embedding)
+    prompt = [3, 99, 250, 7, 7, 42]
+    logits = []
+    for m in (model, dense):
+        cache = PagedKVCache.allocate(m.config, 4, 16)
+        logits.append(m(Batch.build([prompt], [0], [[0]], 16, "cpu", all_logits=True), cache))
+    assert torch.equal(*logits)
