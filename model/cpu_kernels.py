@@ -86,7 +86,7 @@ def int4_kernel(
     return kernel
 
 
-def head_int8(config: ModelConfig, fmt: object, exact: bool, device: torch.device) -> bool:
+def head_int8(config: ModelConfig, fmt: object, quantized: bool, device: torch.device) -> bool:
     """Whether the output projection runs in grouped int8 (weight_format.py says when it
     may, and times it under `auto`)."""
     from model.weight_format import choose_head_int8, head_int8_applies
@@ -94,8 +94,8 @@ def head_int8(config: ModelConfig, fmt: object, exact: bool, device: torch.devic
     if _mode == "torch":
         return False
     if _mode == "native":
-        return head_int8_applies(config, fmt, exact, device)
-    return choose_head_int8(config, fmt, exact, device)
+        return head_int8_applies(config, fmt, quantized, device)
+    return choose_head_int8(config, fmt, quantized, device)
 
 
 def attention(name: str, device: torch.device | str) -> AttentionBackend:

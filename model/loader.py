@@ -92,7 +92,7 @@ def load_model(
         some_4_bit=len(wide) < 4 * config.n_layers,
     )
     head_int8 = tp is None and kernel_plan.head_int8(
-        config, fmt, checkpoint.head_exact_in_int8, torch.device(device)
+        config, fmt, checkpoint.head_quantized, torch.device(device)
     )
     # On the CPU a quantised embedding stays in the file's blocks, read as rows are looked up.
     cpu = torch.device(device).type == "cpu"

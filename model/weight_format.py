@@ -268,13 +268,15 @@ def resolve_weight_format(
 
 
 def choose_head_int8(
-    config: ModelConfig, fmt: WeightFormat, exact: bool, device: torch.device
+    config: ModelConfig, fmt: WeightFormat, quantized: bool, device: torch.device
 ) -> bool:
     """Whether the output projection runs in grouped int8 (model/quantized_linear.py): only
-    where the checkpoint stores it in a type int8 holds exactly (`exact`, e.g. GGUF Q8_0),
-    beside quantised bf16 layers on the CPU, and where it times faster than the bf16 one.
-    Its fp32 sums then replace the bf16 projection's bf16 rounding of each logit."""
-    if not head_int8_applies(config, fmt, exact, device):
+    where the checkpoint stores it quantised in 8 bits or fewer (`quantized`: GGUF Q8_0,
+    exact in int8, or Q6_K and narrower, within a sixteenth of their step; a float head is
+    never quantised), beside quantised bf16 layers on the CPU, and where it times faster
+    than the bf16 one. Its fp32 sums then replace the bf16 projection's bf16 rounding of
+    each logit."""
+    if not head_int8_applies(config, fmt, quantized, device):
         return False
     try:
         with torch.inference_mode():
@@ -298,10 +300,10 @@ def choose_head_int8(
 
 
 def head_int8_applies(
-    config: ModelConfig, fmt: WeightFormat, exact: bool, device: torch.device
+    config: ModelConfig, fmt: WeightFormat, quantized: bool, device: torch.device
 ) -> bool:
     """Where grouped int8 may hold the output projection at all (see choose_head_int8)."""
-    if not exact or fmt.quantization is None or fmt.dtype != torch.bfloat16:
+    if not quantized or fmt.quantization is None or fmt.dtype != torch.bfloat16:
         return False
     return device.type == "cpu" and config.dim % INT4_GROUP == 0 and config.vocab_size % 16 == 0
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 import model.weight_format as weight_format
 from model.batch import Batch
@@ -20,10 +21,11 @@ from model.paged_cache import PagedKVCache
 from model.quantized_linear import Int8GroupLinear
 from model.weight_format import WeightFormat, choose_head_int8
 from model.weights.default_model import default_model_path
-from model.weights.gguf import output_exact_in_int8
+from model.weights.gguf import output_quantized
 from model.weights.gguf_file import open_gguf
 from model.weights.safetensors import iter_safetensors, safetensors_files
 from tests.native_builds import ISAS, kernel_build
+from tests.tiny_families import make_tiny, write_gguf
 from tests.tiny_models import make_tiny_llama
 
 if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
@@ -100,17 +102,28 @@ def test_a_tied_model_holds_its_vocabulary_once(tmp_path) -> None:
     assert ((ours - reference).norm() / reference.norm()).item() < 2e-2
 
 
-def test_the_default_model_s_output_is_exact_in_int8() -> None:
-    assert output_exact_in_int8(open_gguf(default_model_path()))
+def test_the_default_model_s_output_is_quantized() -> None:
+    assert output_quantized(open_gguf(default_model_path()))
 
 
-def test_chosen_only_where_exact_quantised_and_faster(monkeypatch) -> None:
+Q5_0 = GGMLQuantizationType.Q5_0
+
+
+def test_only_a_head_the_file_quantises_counts_as_quantized(tmp_path) -> None:
+    hf = make_tiny("qwen3", tmp_path)  # an untied output projection
+    floats = write_gguf(hf, "qwen3", tmp_path, tmp_path / "f.gguf")
+    q5 = write_gguf(hf, "qwen3", tmp_path, tmp_path / "q.gguf", types={"output.weight": Q5_0})
+    assert not output_quantized(open_gguf(floats))
+    assert output_quantized(open_gguf(q5))
+
+
+def test_chosen_only_where_the_file_quantises_it_and_faster(monkeypatch) -> None:
     config = ModelConfig(
         dim=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=128, vocab_size=512
     )
     monkeypatch.setattr(weight_format, "_head_ms", lambda _: (1.0, 2.0))
     assert choose_head_int8(config, INT4, True, CPU)
-    assert not choose_head_int8(config, INT4, False, CPU)  # a lossy requantisation
+    assert not choose_head_int8(config, INT4, False, CPU)  # a float head stays in floats
     assert not choose_head_int8(config, WeightFormat(torch.bfloat16), True, CPU)
     assert not choose_head_int8(config, WeightFormat(torch.float32, "int4"), True, CPU)
     monkeypatch.setattr(weight_format, "_head_ms", lambda _: (2.0, 1.0))

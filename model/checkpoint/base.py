@@ -28,8 +28,8 @@ class Checkpoint(ABC):
     checkpoint_bits: int | None = None
     # Linear layers ('layers.3.down_proj') stored in more than 4 bits beside 4-bit ones.
     wide_linears: frozenset[str] = frozenset()
-    # The output projection is stored in a type grouped int8 holds exactly.
-    head_exact_in_int8: bool = False
+    # The output projection is stored in a block type of at most 8 bits (grouped int8 holds it).
+    head_quantized: bool = False
 
     @abstractmethod
     def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:

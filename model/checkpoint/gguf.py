@@ -21,7 +21,7 @@ from model.weights.gguf import (
     count_gguf_tensors,
     iter_gguf_weights,
     linear_weight_bits,
-    output_exact_in_int8,
+    output_quantized,
     wide_linears,
 )
 from model.weights.gguf_file import open_gguf
@@ -37,7 +37,7 @@ class GGUFCheckpoint(Checkpoint):
         self.num_tensors = count_gguf_tensors(self.gguf, self.config)
         self.checkpoint_bits = linear_weight_bits(self.gguf)
         self.wide_linears = wide_linears(self.gguf)
-        self.head_exact_in_int8 = output_exact_in_int8(self.gguf)
+        self.head_quantized = output_quantized(self.gguf)
         self._handed_over: set[str] = set()  # by `packed_embedding`
         self.name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
 

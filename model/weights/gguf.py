@@ -171,15 +171,13 @@ def wide_linears(gguf: GGUFFile, bits: int = 4) -> frozenset[str]:
     return frozenset(wide)
 
 
-# Types whose groups of 32 are symmetric, one scale each: grouped int8 holds them exactly.
-_EXACT_IN_INT8 = ("Q8_0", "Q5_0", "Q4_0")
-
-
-def output_exact_in_int8(gguf: GGUFFile) -> bool:
+def output_quantized(gguf: GGUFFile) -> bool:
     """Whether the output projection's weight (or the embedding it is tied to) is stored in
-    a type that grouped int8 holds without loss."""
+    a block type of 8 bits or fewer: grouped int8 holds Q8_0 exactly and the narrower
+    types (Q6_K, Q5_0, Q4_K) within a sixteenth of their own step, so it keeps what the
+    file holds while reading half a bf16 copy's bytes."""
     types = {t.name: t.tensor_type.name for t in gguf.tensors}
-    return types.get("output.weight", types.get("token_embd.weight")) in _EXACT_IN_INT8
+    return types.get("output.weight", types.get("token_embd.weight")) in _TYPE_BITS
 
 
 def count_gguf_tensors(
