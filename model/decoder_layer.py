@@ -116,8 +116,8 @@ class DecoderLayer(nn.Module):
             and rope[0].dtype == torch.float32  # the C layer reads fp32 angles
         ):
             decodes = getattr(plan, "decodes", None)  # the C attention's plan of decodes only
-            if decodes is not None and window is None:  # the C decode attends to all
-                out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale)
+            if decodes is not None:
+                out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale, window)
                 if out is not None:
                     return out
             q, k, v = self.native.attention_input(h, *rope)

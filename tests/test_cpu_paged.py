@@ -72,10 +72,11 @@ def _random_step(
     return batch, q, k, v, k_cache, v_cache
 
 
-def _attend(backend, batch, q, k, v, k_cache, v_cache) -> torch.Tensor:
+def _attend(backend, batch, q, k, v, k_cache, v_cache, window=None) -> torch.Tensor:
     with torch.inference_mode():
         plan = backend.plan(batch)
-        return backend.forward(q, k, v, k_cache.clone(), v_cache.clone(), batch, plan, 0.125)
+        caches = k_cache.clone(), v_cache.clone()
+        return backend.forward(q, k, v, *caches, batch, plan, 0.125, window)
 
 
 # bf16 with head_dim 64 and 128 takes the kernel's AVX-512 path where the level has one
@@ -95,19 +96,23 @@ def backend(request) -> CpuPagedBackend:
         (torch.bfloat16, 1e-2, 32),
     ],
 )
+@pytest.mark.parametrize("window", [None, 7, 16])
 def test_attention_matches_reference(
-    backend: CpuPagedBackend, dtype: torch.dtype, tol: float, head_dim: int
+    backend: CpuPagedBackend, dtype: torch.dtype, tol: float, head_dim: int, window: int | None
 ) -> None:
+    # Windows of 7 and 16 over blocks of 4: one starts inside a block, one on its first token.
     step = _random_step(dtype, seq_lens=[1, 4, 5, 16, 17, 70, 200], prefill=40, head_dim=head_dim)
-    got = _attend(backend, *step)
-    want = _attend(TorchRefBackend(), *step)
+    got = _attend(backend, *step, window=window)
+    want = _attend(TorchRefBackend(), *step, window=window)
+    if window is not None:  # the window changes what the sequences longer than it see
+        assert not torch.allclose(want, _attend(TorchRefBackend(), *step))
     assert got.dtype == want.dtype == dtype
     # bf16 outputs are rounded from fp32 in both: at most a unit in the last place apart.
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     decodes_only = _random_step(dtype, seq_lens=[3, 40], prefill=1, head_dim=head_dim)
     torch.testing.assert_close(
-        _attend(backend, *decodes_only).float(),
-        _attend(TorchRefBackend(), *decodes_only).float(),
+        _attend(backend, *decodes_only, window=window).float(),
+        _attend(TorchRefBackend(), *decodes_only, window=window).float(),
         atol=tol,
         rtol=tol,
     )

@@ -50,7 +50,7 @@ class CpuPagedBackend(TorchRefBackend):
     be built."""
 
     name = "cpu_paged"
-    supports_window = False  # the C kernel attends to the whole context
+    supports_window = True
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         self.kernels = paged_decode_kernels(library)
@@ -85,7 +85,7 @@ class CpuPagedBackend(TorchRefBackend):
         group: _Group,
         plan: TorchRefPlan,
         scale: float,
-        window: int | None = None,  # never set: supports_window is False
+        window: int | None = None,
     ) -> torch.Tensor:
         rows, max_q, n_heads, head_dim = queries.shape
         if max_q == 1:
@@ -104,9 +104,9 @@ class CpuPagedBackend(TorchRefBackend):
         out = None
         if lens is not None:
             flat = queries.reshape(rows * max_q, n_heads, head_dim)
-            out = self._run(flat, k_cache, v_cache, tables, lens, scale)
+            out = self._run(flat, k_cache, v_cache, tables, lens, scale, window)
         if out is None:
-            return super().attend(queries, k_cache, v_cache, group, plan, scale)
+            return super().attend(queries, k_cache, v_cache, group, plan, scale, window)
         return out.view(rows, max_q, n_heads, head_dim)
 
     def _run(
@@ -117,6 +117,7 @@ class CpuPagedBackend(TorchRefBackend):
         tables: torch.Tensor,
         lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         """One query per row of q [rows, n_heads, head_dim] over `lens` tokens of its
         table; None where the kernel does not apply."""
@@ -149,6 +150,7 @@ class CpuPagedBackend(TorchRefBackend):
             head_dim,
             k_cache.shape[1],
             scale,
+            window or 0,
         )
         # Non-zero: shapes past the kernel's fixed buffers, or out of memory.
         return out if status == 0 else None

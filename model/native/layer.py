@@ -83,7 +83,7 @@ class NativeDecoderLayer:
         self._output.restype = ctypes.c_int
         self._decode = library.decoder_layer_decode
         self._decode.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64]
-        self._decode.argtypes += [_PTR, _I64, ctypes.c_float, _PTR]
+        self._decode.argtypes += [_PTR, _I64, ctypes.c_float, _I64, _PTR]
         self._decode.restype = ctypes.c_int
         c = layer.config
         self.q_size, self.kv_size, self.dim = c.q_size, c.kv_size, c.dim
@@ -160,6 +160,7 @@ class NativeDecoderLayer:
         v_cache: torch.Tensor,
         decodes: DecodeBatch,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor | None:
         """The whole layer for a batch of decodes in one call; None where the cache does
         not fit (another dtype, or a strided view): the caller then runs the layer."""
@@ -185,6 +186,7 @@ class NativeDecoderLayer:
             decodes.seq_lens.data_ptr(),
             k_cache.shape[1],
             scale,
+            window or 0,
             out.data_ptr(),
         )
         if status == 1:

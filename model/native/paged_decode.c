@@ -41,6 +41,12 @@ static void softmax(float *s, int64_t len) {
 #define FAST_PAIRS 0
 #endif
 
+/* A sliding window starts inside its first block: the tokens before it get no weight. */
+static inline void mask_leading(float *scores, int64_t group, int64_t len, int64_t masked) {
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t t = 0; t < masked; t++) scores[g * len + t] = -INFINITY;
+}
+
 #if FAST_PAIRS
 /* One (query, KV head) pair with bf16 q, caches and output and head_dim = 32 halves
  * (halves a constant: 2 or 4): the scores of every query head sharing the KV head, their
@@ -50,11 +56,13 @@ static void softmax(float *s, int64_t len) {
 static inline __attribute__((always_inline)) void pair_bf16(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
     int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride,
-    int64_t group, float scale, float *scores, uint16_t *out, int prefetch, const int halves) {
+    int64_t group, float scale, float *scores, uint16_t *out, int prefetch, int64_t masked,
+    const int halves) {
     const int64_t head_dim = 32 * halves, at_once = HEADS_AT_ONCE(halves);
     float inverse_total[MAX_GROUP];
     group_scores(q, k_cache, v_cache, table, len, block_size, block_stride, token_stride, group,
                  scale, scores, prefetch, halves);
+    mask_leading(scores, group, len, masked);
     for (int64_t g = 0; g < group; g++)
         inverse_total[g] = 1.0f / exponentiate(scores + g * len, len);
     for (int64_t g = 0, n; g < group; g += n) {
@@ -75,13 +83,14 @@ static inline __attribute__((always_inline)) void pair_bf16(
 
 /* q [rows, q_row_stride] (each row's n_heads x head_dim contiguous); caches
  * [blocks, block_size, n_kv, head_dim]; block_tables [rows, table_stride]; out
- * [rows, n_heads, head_dim]. Returns 0, or 1 for shapes past the fixed buffers, 2 when
+ * [rows, n_heads, head_dim]; window: attend to the last `window` tokens only, or 0 for
+ * all. Returns 0, or 1 for shapes past the fixed buffers, 2 when
  * out of memory. */
 static inline __attribute__((always_inline)) int paged_decode(
     const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, void *out,
     int64_t rows, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t block_size,
-    float scale, int bf16) {
+    float scale, int64_t window, int bf16) {
     const int64_t group = n_heads / n_kv;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP) return 1;
     const int64_t token_stride = n_kv * head_dim, block_stride = block_size * token_stride;
@@ -99,7 +108,12 @@ static inline __attribute__((always_inline)) int paged_decode(
         for (int64_t pair = 0; pair < rows * n_kv; pair++) {
             if (failed) continue;
             const int64_t r = pair / n_kv, h = pair % n_kv;
-            const int64_t len = seq_lens[r], *table = block_tables + r * table_stride;
+            /* With a window (0: none) a query sees its last `window` tokens: whole blocks
+             * before them are skipped, the rest of the first block masked. */
+            const int64_t skip = window > 0 && seq_lens[r] > window ? seq_lens[r] - window : 0;
+            const int64_t skipped_blocks = skip / block_size, masked = skip % block_size;
+            const int64_t len = seq_lens[r] - skipped_blocks * block_size;
+            const int64_t *table = block_tables + r * table_stride + skipped_blocks;
 #if FAST_PAIRS
             if (bf16 && (head_dim == 64 || head_dim == 128)) {
                 const uint16_t *qh = (const uint16_t *)q + r * q_row_stride + h * group * head_dim;
@@ -111,13 +125,14 @@ static inline __attribute__((always_inline)) int paged_decode(
                  * (Decodes of different sequences may share a cached prefix's first
                  * block, not their lengths in that order.) */
                 const int cold = r == 0 || seq_lens[r] != seq_lens[r - 1] + 1 ||
-                                 table[0] != table[-table_stride];
+                                 skipped_blocks > 0 ||
+                                 table[0] != block_tables[(r - 1) * table_stride];
                 if (head_dim == 64)
                     pair_bf16(qh, kh, vh, table, len, block_size, block_stride, token_stride,
-                              group, scale, scores, oh, cold, 2);
+                              group, scale, scores, oh, cold, masked, 2);
                 else
                     pair_bf16(qh, kh, vh, table, len, block_size, block_stride, token_stride,
-                              group, scale, scores, oh, cold, 4);
+                              group, scale, scores, oh, cold, masked, 4);
                 continue;
             }
 #endif
@@ -138,6 +153,7 @@ static inline __attribute__((always_inline)) int paged_decode(
                     }
                 }
             }
+            mask_leading(scores, group, len, masked);
             for (int64_t g = 0; g < group; g++) {
                 softmax(scores + g * len, len);
                 memset(acc[g], 0, sizeof(float) * head_dim);
@@ -167,10 +183,10 @@ static inline __attribute__((always_inline)) int paged_decode(
     const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,         \
         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,         \
         void *out, int64_t rows, int64_t n_heads, int64_t n_kv, int64_t head_dim,           \
-        int64_t block_size, float scale
+        int64_t block_size, float scale, int64_t window
 #define PASS                                                                               \
     q, q_row_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, rows,     \
-        n_heads, n_kv, head_dim, block_size, scale
+        n_heads, n_kv, head_dim, block_size, scale, window
 
 int paged_decode_bf16(ARGS) { return paged_decode(PASS, 1); }
 
