@@ -117,6 +117,8 @@ class Engine:
             return [], self._fill_gauges(stats)
         stats.forward_s = result.forward_s
         stats.num_tokens = result.num_tokens
+        if self.scheduler.speculator is not None:
+            self.scheduler.speculator.observe(plan, result)
         updates = self.scheduler.update_from_output(plan, result)
         now = time.monotonic()
         outputs = []

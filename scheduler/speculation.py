@@ -30,9 +30,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from scheduler.request import Request
+from scheduler.spec_costs import SpecCosts
+from scheduler.step_data import ModelRunnerOutput, SchedulerOutput
 
 # A sequence whose guesses are mostly wrong stops guessing: each rejected guess is a token
-# computed for nothing. Judged once it has offered this many.
+# computed for nothing. Judged once it has offered this many, against this share or the
+# higher one at which guessing stops paying (scheduler/spec_costs.py).
 ACCEPTANCE_WINDOW = 32
 MIN_ACCEPTANCE = 0.2
 
@@ -145,17 +148,34 @@ class Speculator:
         self.config = config
         self.max_model_len = max_model_len
         self.counts = SpecCounts()
+        self.costs = SpecCosts()
+        self._floor = MIN_ACCEPTANCE
 
     def active(self, num_running: int) -> bool:
+        """Whether this step guesses at all; also fixes the step's acceptance floor: the
+        fixed one, or higher where the measured costs say guessing would not pay."""
+        measured = self.costs.min_acceptance(num_running, self.config.num_speculative_tokens)
+        self._floor = max(MIN_ACCEPTANCE, measured or 0.0)
         return num_running <= self.config.disable_by_batch_size
 
     def drafts(self, req: Request, room: int) -> list[int]:
-        return draft_tokens(req, self.config, room, self.max_model_len)
+        return draft_tokens(req, self.config, room, self.max_model_len, self._floor)
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         req.num_draft_tokens += drafted
         req.num_accepted_tokens += accepted
         self.counts.add(drafted, accepted)
+
+    def observe(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Times a step of decodes only (each sequence one new token, plus its guesses)."""
+        steps = out.scheduled
+        if (
+            steps
+            and not result.errors
+            and all(s.sample and len(s.new_token_ids) == 1 + len(s.draft_token_ids) for s in steps)
+        ):
+            guessed = any(s.draft_token_ids for s in steps)
+            self.costs.observe(len(steps), guessed, result.forward_s, result.draft_s)
 
     def take_counts(self) -> SpecCounts:
         """What verification accepted since the last call (the engine's step report)."""
@@ -163,7 +183,7 @@ class Speculator:
         return counts
 
 
-def may_speculate(req: Request) -> bool:
+def may_speculate(req: Request, floor: float = MIN_ACCEPTANCE) -> bool:
     p = req.params
     exact = (
         p.presence_penalty == 0.0
@@ -174,15 +194,20 @@ def may_speculate(req: Request) -> bool:
     if not exact:
         return False
     drafted, accepted = req.num_draft_tokens, req.num_accepted_tokens
-    return drafted < ACCEPTANCE_WINDOW or accepted >= MIN_ACCEPTANCE * drafted
+    return drafted < ACCEPTANCE_WINDOW or accepted >= floor * drafted
 
 
 def draft_tokens(
-    req: Request, config: SpeculativeConfig, room: int, max_model_len: int
+    req: Request,
+    config: SpeculativeConfig,
+    room: int,
+    max_model_len: int,
+    floor: float = MIN_ACCEPTANCE,
 ) -> list[int]:
     """Guesses for a sequence about to decode one token, within `room` more tokens this
-    step, its max_tokens and the context; [] where it must not or cannot guess."""
-    if not may_speculate(req):
+    step, its max_tokens and the context; [] where it must not or cannot guess, or where
+    fewer than `floor` of the guesses it has offered were accepted."""
+    if not may_speculate(req, floor):
         return []
     limit = min(
         config.num_speculative_tokens,

@@ -70,6 +70,7 @@ class ModelRunnerOutput:
     errors: dict[str, str] = field(default_factory=dict)
     num_tokens: int = 0  # tokens the forward computed
     forward_s: float = 0.0
+    draft_s: float = 0.0  # the draft model's share of forward_s
 
 
 @dataclass

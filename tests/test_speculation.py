@@ -14,10 +14,11 @@ from model.random_model import random_llama
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.kv_cache import KVCacheManager
-from scheduler.request import SamplingParams
+from scheduler.request import Request, SamplingParams
 from scheduler.speculation import (
     SpeculativeConfig,
     SpeculativeConfigError,
+    Speculator,
     accepted,
     propose_ngram,
 )
@@ -298,3 +299,25 @@ def test_served_with_speculation(ours_default, live_server) -> None:
         if line.startswith("llamaserve:spec_decode_num_accepted_tokens_total{")
     ]
     assert float(accepted_line[0].rsplit(" ", 1)[1]) > 0
+
+
+def test_guessing_steps_aside_where_its_measured_cost_says_it_would_not_pay() -> None:
+    """Four guesses that cost as much as the verification plus a 75 ms draft, against a
+    40 ms plain step, need half of them kept; a sequence keeping 40% guesses on with the
+    cost unknown (the fixed 20% floor) and stops once the costs are seen."""
+    config = SpeculativeConfig(num_speculative_tokens=4)
+    req = Request("r", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], params())
+    req.num_draft_tokens, req.num_accepted_tokens = 40, 16
+    speculator = Speculator(config, max_model_len=256)
+    assert speculator.active(1)
+    assert speculator.drafts(req, room=8) == [4, 1, 2, 3]
+    speculator.costs.observe(1, guessed=True, forward_s=0.120, draft_s=0.075)
+    speculator.costs.observe(1, guessed=False, forward_s=0.040, draft_s=0.0)
+    assert speculator.costs.min_acceptance(1, 4) == pytest.approx(0.5)
+    assert speculator.active(1)
+    assert speculator.drafts(req, room=8) == []
+    req.num_accepted_tokens = 24  # 60% kept: guessing pays
+    assert speculator.drafts(req, room=8) == [4, 1, 2, 3]
+    # Costs are per batch size: one not yet seen keeps the fixed floor.
+    assert speculator.active(2)
+    assert speculator.drafts(req, room=8) == [4, 1, 2, 3]

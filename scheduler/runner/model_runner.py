@@ -166,6 +166,7 @@ class ModelRunner:
         try:
             if self.drafter is not None:
                 scheduled = self.drafter.propose(scheduled, self.sample_vocab_size)
+                result.draft_s = time.monotonic() - started
             inputs = build_step_inputs(
                 scheduled, self.block_size, self.kv_cache.null_block, self.device
             )
