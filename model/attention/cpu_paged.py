@@ -45,6 +45,10 @@ class CpuPagedPlan(TorchRefPlan):
     prefill_lens: torch.Tensor | None = None
 
 
+# Prefill chunks of at most this many queries a sequence take the C kernel in float32 too.
+SHORT_PREFILL = 16
+
+
 class CpuPagedBackend(TorchRefBackend):
     """Raises NativeUnavailable (model/native/build.py) where the kernel cannot
     be built."""
@@ -93,11 +97,13 @@ class CpuPagedBackend(TorchRefBackend):
         elif (
             isinstance(plan, CpuPagedPlan)
             and plan.prefill_lens is not None
-            and queries.dtype == torch.bfloat16
+            and (queries.dtype == torch.bfloat16 or max_q <= SHORT_PREFILL)
         ):
             # Each query of a prefill chunk as a decode of its own: the C kernel reads K
             # and V in place and skips what the causal mask would hide, where SDPA with a
             # mask computed every masked product (140 of a 512-token prefill's ~360 ms).
+            # In float32 only for a few queries (the kernel has no vector loop for it):
+            # a speculating sequence's verification rows then attend as its decodes do.
             tables, lens = plan.prefill_tables, plan.prefill_lens
         else:
             tables = lens = None
