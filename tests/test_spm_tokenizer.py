@@ -1,17 +1,21 @@
 """model/text/spm_tokenizer.py: small hand-built vocabularies whose expected ids are worked out
 by hand from their scores (merge order, ties, byte fallback, the space prefix, added tokens),
-then the real Gemma 3 270M GGUF from PyPI against transformers loading the same file."""
+then the real Gemma 3 270M GGUF from PyPI against transformers loading the same file, and its
+tokenizer as an HF directory against transformers loading that directory."""
 
+import json
+import shutil
 import time
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer as HFBackend
+from transformers import AutoTokenizer
 
 from model.errors import TokenizerError
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.spm_tokenizer import SpmTokenizer
-from model.text.tokenizer_files import tokenizer_from_gguf
+from model.text.tokenizer_files import tokenizer_from_gguf, tokenizer_from_hf_dir
 from model.weights.gguf_file import open_gguf
 from model.weights.pypi_models import pypi_model_path
 from tests.real_references import hf_tokenizer_of
@@ -260,3 +264,34 @@ def test_gemma_encodes_4kb_quickly(gemma, cases):
         gemma.encode(text)
         timings.append(time.perf_counter() - started)
     assert sorted(timings)[2] < 0.05
+
+
+@pytest.fixture(scope="module")
+def gemma_hf_dir(hf_gemma, tmp_path_factory) -> Path:
+    """Gemma 3's tokenizer as an HF directory (`tokenizer.json`, a SentencePiece BPE with
+    byte fallback, written by transformers itself), as a safetensors checkpoint ships it."""
+    directory = tmp_path_factory.mktemp("gemma_tokenizer")
+    hf_gemma.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.slow
+def test_gemma_from_an_hf_directory_matches_transformers(gemma_hf_dir, cases):
+    ours = tokenizer_from_hf_dir(gemma_hf_dir)
+    assert isinstance(ours, SpmTokenizer) and not ours.add_space_prefix
+    hf = AutoTokenizer.from_pretrained(gemma_hf_dir)
+    expected = hf(cases, add_special_tokens=False)["input_ids"]
+    got = [ours.encode(text, add_bos=False) for text in cases]
+    bad = [(text, g, e) for text, g, e in zip(cases, got, expected, strict=True) if g != e]
+    assert not bad, f"{len(bad)}/{len(cases)} differ, first: {bad[:3]!r}"
+    assert ours.encode(CHAT, allow_special=True) == hf(CHAT)["input_ids"]
+    assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.vocab_size) == (2, 1, 0, len(hf))
+
+
+def test_a_sentencepiece_bpe_with_other_space_handling_is_refused(gemma_hf_dir, tmp_path):
+    spec = json.loads((gemma_hf_dir / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    shutil.copy(gemma_hf_dir / "tokenizer_config.json", tmp_path)
+    with pytest.raises(TokenizerError, match="SentencePiece BPE whose spaces"):
+        tokenizer_from_hf_dir(tmp_path)

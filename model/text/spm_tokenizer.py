@@ -19,7 +19,7 @@ from model.text.tokenizer import Tokenizer
 # GGUF token types (llama.cpp's `llama_token_type`).
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 SPACE = "\u2581"  # SentencePiece writes every space as "▁"
-_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 # Runs longer than this are merged with a heap (O(n log n)); shorter ones by rescanning their
 # pairs each step, which in Python is quicker for the few characters of a word.
 _HEAP_FROM = 24
@@ -99,7 +99,7 @@ class SpmTokenizer(Tokenizer):
                     self._piece_id[text] = token_id
                     self._score[text] = float(score)
             elif kind == BYTE:
-                match = _BYTE_TOKEN.fullmatch(text)
+                match = BYTE_TOKEN.fullmatch(text)
                 if match is None:
                     raise TokenizerError(
                         f"byte token {token_id} {text!r} is not of the form <0xAB>"

@@ -12,6 +12,9 @@ from typing import Any
 
 from model.errors import TokenizerError
 from model.text.pretokenizer import GPT2_PATTERN, PATTERN_BY_GGUF_PRE, pattern_from_hf
+from model.text.spm_tokenizer import BYTE as SPM_BYTE
+from model.text.spm_tokenizer import BYTE_TOKEN as SPM_BYTE_TOKEN
+from model.text.spm_tokenizer import NORMAL as SPM_NORMAL
 from model.text.spm_tokenizer import SpmTokenizer
 from model.text.tokenizer import Tokenizer
 
@@ -109,7 +112,8 @@ def _spm_from_gguf(metadata: dict[str, Any]) -> SpmTokenizer:
 
 
 def tokenizer_from_hf_dir(path: str | Path) -> Tokenizer:
-    """From `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`."""
+    """From `tokenizer.json`, `tokenizer_config.json` and `generation_config.json`: a
+    byte-level BPE, or a SentencePiece BPE with byte fallback (Gemma, Mistral, Llama 2)."""
     path = Path(path)
     if not (path / "tokenizer.json").is_file():
         raise TokenizerError(f"{path} has no tokenizer.json")
@@ -117,12 +121,8 @@ def tokenizer_from_hf_dir(path: str | Path) -> Tokenizer:
     config = _read_json(path / "tokenizer_config.json")
     bpe = spec.get("model", {})
     affixes = bpe.get("continuing_subword_prefix") or bpe.get("end_of_word_suffix")
-    if bpe.get("type") != "BPE" or bpe.get("byte_fallback") or affixes:
-        raise TokenizerError(f"{path}/tokenizer.json model is not a byte-level BPE")
-    normalizer = spec.get("normalizer")
-    if normalizer not in (None, {"type": "NFC"}):
-        raise TokenizerError(f"unsupported normalizer {json.dumps(normalizer)}")
-    pattern = pattern_from_hf(spec.get("pre_tokenizer"))
+    if bpe.get("type") != "BPE" or affixes:
+        raise TokenizerError(f"{path}/tokenizer.json model is not a BPE")
 
     id_of: dict[str, int] = dict(bpe.get("vocab", {}))
     added = {}
@@ -156,18 +156,91 @@ def tokenizer_from_hf_dir(path: str | Path) -> Tokenizer:
         add_bos = bos_id is not None and id_of.get(first_special) == bos_id
     else:
         add_bos = bool(config.get("add_bos_token", False)) and bos_id is not None
-
     # Instruct checkpoints list their other end-of-turn ids here (Llama 3: <|eot_id|> ...).
     eos_ids = _read_json(path / "generation_config.json").get("eos_token_id") or []
+    extra_stops = eos_ids if isinstance(eos_ids, list) else [eos_ids]
+
+    if bpe.get("byte_fallback"):
+        return SpmTokenizer(
+            tokens=tokens,
+            scores=_scores_from_merges(tokens, merges),
+            types=_spm_types(tokens, added, bpe.get("unk_token")),
+            eos_id=eos_id,
+            bos_id=bos_id,
+            pad_id=token_id("pad_token"),
+            add_bos=add_bos,
+            add_space_prefix=_spm_space_prefix(path, spec),
+            extra_stop_ids=extra_stops,
+        )
+    normalizer = spec.get("normalizer")
+    if normalizer not in (None, {"type": "NFC"}):
+        raise TokenizerError(f"unsupported normalizer {json.dumps(normalizer)}")
     return Tokenizer(
         tokens=tokens,
         merges=merges,
         added=added,
-        pattern=pattern,
+        pattern=pattern_from_hf(spec.get("pre_tokenizer")),
         eos_id=eos_id,
         bos_id=bos_id,
         pad_id=token_id("pad_token"),
         add_bos=add_bos,
-        extra_stop_ids=eos_ids if isinstance(eos_ids, list) else [eos_ids],
+        extra_stop_ids=extra_stops,
         normalize_nfc=normalizer is not None,
+    )
+
+
+# SentencePiece BPE as `tokenizers` stores it: the merges in order, where SentencePiece has
+# a score per piece. Merging always the best-ranked pair (HF) and always the best-scoring
+# merged piece (SentencePiece, model/text/spm_tokenizer.py) agree when a piece's score is
+# the rank of its first merge, negated: the converters write merges in score order.
+_SPACE = "\u2581"
+_REPLACE_SPACES = {"type": "Replace", "pattern": {"String": " "}, "content": _SPACE}
+_PREPEND_SPACE = {"type": "Prepend", "prepend": _SPACE}
+
+
+def _scores_from_merges(tokens: list[str], merges: list[tuple[str, ...]]) -> list[float]:
+    first_rank: dict[str, int] = {}
+    for rank, pair in enumerate(merges):
+        first_rank.setdefault("".join(pair), rank)
+    # Pieces no merge forms (single characters) are never a merge's result: any score.
+    return [-float(first_rank.get(text, len(merges))) for text in tokens]
+
+
+def _spm_types(tokens: list[str], added: dict[int, bool], unk: str | None) -> list[int]:
+    types = []
+    for token_id, text in enumerate(tokens):
+        if token_id in added:  # special: a control token; else matched in plain text
+            types.append(_GGUF_CONTROL if added[token_id] else _GGUF_USER_DEFINED)
+        elif text == unk:
+            types.append(_GGUF_UNKNOWN)
+        elif SPM_BYTE_TOKEN.fullmatch(text):
+            types.append(SPM_BYTE)
+        elif text:
+            types.append(SPM_NORMAL)
+        else:
+            types.append(_GGUF_UNUSED)  # an id no token has
+    return types
+
+
+def _spm_space_prefix(path: Path, spec: dict[str, Any]) -> bool:
+    """Spaces written as "▁", with one in front of the text (Llama 2, Mistral) or not
+    (Gemma 3), by the normalizer or by a Metaspace pre-tokenizer; refused otherwise."""
+    normalizer, pre = spec.get("normalizer"), spec.get("pre_tokenizer")
+    steps = normalizer.get("normalizers", []) if normalizer else []
+    if normalizer is not None and normalizer.get("type") != "Sequence":
+        steps = [normalizer]
+    # Gemma's: a split on spaces after they have all become "▁", which cuts nothing.
+    inert_split = {"type": "Split", "pattern": {"String": " "}, "behavior": "MergedWithPrevious"}
+    if steps in ([_REPLACE_SPACES], [_PREPEND_SPACE, _REPLACE_SPACES]) and (
+        pre is None or {**pre, "invert": False} == {**inert_split, "invert": False}
+    ):
+        return steps[0] == _PREPEND_SPACE
+    if normalizer is None and pre and pre.get("type") == "Metaspace":
+        if pre.get("replacement") == _SPACE and pre.get("prepend_scheme") in ("always", "first"):
+            return True
+        if pre.get("replacement") == _SPACE and pre.get("prepend_scheme") == "never":
+            return False
+    raise TokenizerError(
+        f"{path}/tokenizer.json: a SentencePiece BPE whose spaces are written by normalizer "
+        f"{json.dumps(normalizer)} and pre-tokenizer {json.dumps(pre)} is not supported"
     )
