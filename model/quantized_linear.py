@@ -151,6 +151,7 @@ class Int4Linear(QuantizedLinear):
         groups = weight.reshape(rows, -1, INT4_GROUP)
         low = groups.amin(dim=-1, keepdim=True)
         scale = ((groups.amax(dim=-1, keepdim=True) - low) / 15.0).clamp(min=1e-12)
+        scale = torch.where(*_file_grid(groups, low), scale)
         q = ((groups - low) / scale).round().clamp(0, 15)
         self._staging[row : row + rows] = q.reshape(rows, -1).to(torch.uint8)
         zero = low + 8.0 * scale
@@ -184,6 +185,23 @@ class Int4Linear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, kernel={self.kernel}"
+
+
+def _file_grid(groups: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where a group of 32 already lies on a grid of at most 16 steps (a GGUF 4-bit block:
+    Q4_1's or Q4_K's sub-block, w = step * q + min), that step, so the group requantises
+    without loss; its own min-to-max span need not reach 15 steps (Q4_K's quantiser often
+    leaves the ends unused, and spreading them over 15 steps moved its weights by 4%).
+    Returns (found, step) per group."""
+    ordered = groups.sort(dim=-1).values
+    span = ordered[..., -1:] - ordered[..., :1]
+    gaps = ordered[..., 1:] - ordered[..., :-1]
+    tolerance = span * 1e-4
+    step = gaps.masked_fill(gaps <= tolerance, float("inf")).amin(dim=-1, keepdim=True)
+    steps = (groups - low) / step
+    on_grid = (steps - steps.round()).abs().amax(dim=-1, keepdim=True) < 1e-3
+    found = on_grid & (steps.amax(dim=-1, keepdim=True).round() <= 15) & (span > 0)
+    return found, step
 
 
 class Int8GroupLinear(QuantizedLinear):

@@ -63,6 +63,24 @@ def test_q4_1_groups_requantise_without_loss() -> None:
     assert relative_error(layer(x), reference) < 0.01  # bf16 activations and output only
 
 
+def test_groups_on_a_grid_that_leaves_its_ends_unused_requantise_without_loss() -> None:
+    # w = d * q + m with q in 3..12 only: Q4_K's quantiser often leaves a sub-block's ends
+    # unused. Spread over its own min-to-max span in 15 steps, such a group moved by ~4%.
+    generator = torch.Generator().manual_seed(2)
+    out_features, in_features = 32, 128
+    groups = in_features // INT4_GROUP
+    q = torch.randint(3, 13, (out_features, groups, INT4_GROUP), generator=generator)
+    q[..., 0], q[..., 1], q[..., 2] = 3, 12, 4
+    d = (torch.rand(out_features, groups, 1, generator=generator) * 0.01 + 0.001).bfloat16()
+    m = -8 * d.float() + torch.randn(out_features, groups, 1, generator=generator) * 1e-3
+    weight = (d.float() * q + m.bfloat16().float()).reshape(out_features, in_features)
+    layer = Int4Linear(in_features, out_features, "cpu")
+    layer.load_rows(0, weight)
+    x = torch.randn(4, in_features, generator=generator)
+    reference = F.linear(x.bfloat16().float(), weight)
+    assert relative_error(layer(x), reference) < 0.01
+
+
 def test_rows_that_do_not_fit_are_refused() -> None:
     layer = Int8Linear(64, 96, "cpu")
     with pytest.raises(ValueError, match="do not fit"):
