@@ -100,7 +100,8 @@ def candidate_formats(
     floats = _float_formats(device) if dtype == "auto" else [WeightFormat(DTYPES[dtype])]
     if device.type != "cpu" or checkpoint_bits is None or dtype not in ("auto", "bfloat16"):
         return floats
-    # int4 in groups of 32 holds a 4-bit GGUF type exactly; int8 with one scale per row
+    # int4 in groups of 32 holds a 4-bit GGUF type on its own grid (to bf16's rounding of
+    # each group's scale and zero); int8 with one scale per row
     # holds none of the group-wise types exactly (1% error on Q4_1 weights), so it is
     # never chosen for the user, only taken when asked for. So is w4a8, the same int4 with
     # the activations rounded to int8 (what llama.cpp computes for a Q4 GGUF), wherever
