@@ -12,6 +12,8 @@ import time
 from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING
 
+from scheduler.spec_length import Acceptance
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -196,6 +198,7 @@ class Request:
     # Speculative decoding (scheduler/speculation.py): guesses offered and accepted so far.
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    acceptance: Acceptance = field(default_factory=Acceptance)  # recent verdicts, faded
     # prompt + outputs, kept as one list: the scheduler and the batch read it every step,
     # and concatenating a long context per request per step is wasted copying.
     all_token_ids: list[int] = field(init=False)

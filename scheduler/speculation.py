@@ -20,7 +20,8 @@ seed and that position only, scheduler/runner/model_runner.py) gets the tokens i
 without speculation.
 
 Only sequences whose choice at each position depends on nothing but the tokens before it
-speculate: no penalties (they count output tokens), no grammar, min_tokens reached.
+speculate: no penalties (they count output tokens), min_tokens reached. How many tokens
+each guesses is its own, step by step (scheduler/spec_length.py).
 """
 
 from __future__ import annotations
@@ -31,13 +32,8 @@ from dataclasses import dataclass, field
 
 from scheduler.request import Request
 from scheduler.spec_costs import SpecCosts
+from scheduler.spec_length import DEFAULT_COST, planned_guesses
 from scheduler.step_data import ModelRunnerOutput, SchedulerOutput
-
-# A sequence whose guesses are mostly wrong stops guessing: each rejected guess is a token
-# computed for nothing. Judged once it has offered this many, against this share or the
-# higher one at which guessing stops paying (scheduler/spec_costs.py).
-ACCEPTANCE_WINDOW = 32
-MIN_ACCEPTANCE = 0.2
 
 
 class SpeculativeConfigError(ValueError):
@@ -149,21 +145,31 @@ class Speculator:
         self.max_model_len = max_model_len
         self.counts = SpecCounts()
         self.costs = SpecCosts()
-        self._floor = MIN_ACCEPTANCE
+        self._cost = DEFAULT_COST
 
     def active(self, num_running: int) -> bool:
-        """Whether this step guesses at all; also fixes the step's acceptance floor: the
-        fixed one, or higher where the measured costs say guessing would not pay."""
-        measured = self.costs.min_acceptance(num_running, self.config.num_speculative_tokens)
-        self._floor = max(MIN_ACCEPTANCE, measured or 0.0)
-        return num_running <= self.config.disable_by_batch_size
+        """Whether this step guesses at all; also fixes what a guess costs in it. A batch
+        size whose guessing steps are timed but not its plain ones takes one plain step:
+        sequences that always guess would otherwise never price their guesses."""
+        if num_running > self.config.disable_by_batch_size:
+            return False
+        cost = self.costs.guess_cost(num_running)
+        if cost is None and num_running in self.costs.verify_s:
+            return False
+        self._cost = DEFAULT_COST if cost is None else cost
+        return True
 
     def drafts(self, req: Request, room: int) -> list[int]:
-        return draft_tokens(req, self.config, room, self.max_model_len, self._floor)
+        most = self.config.num_speculative_tokens
+        reprobe = self.config.method == "ngram"
+        planned = planned_guesses(req.acceptance, req.num_tokens, self._cost, most, reprobe)
+        return draft_tokens(req, self.config, min(room, planned), self.max_model_len)
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
+        """Before the step's tokens are appended to `req`."""
         req.num_draft_tokens += drafted
         req.num_accepted_tokens += accepted
+        req.acceptance.record(req.num_tokens, drafted, accepted)
         self.counts.add(drafted, accepted)
 
     def observe(self, out: SchedulerOutput, result: ModelRunnerOutput) -> None:
@@ -174,8 +180,10 @@ class Speculator:
             and not result.errors
             and all(s.sample and len(s.new_token_ids) == 1 + len(s.draft_token_ids) for s in steps)
         ):
-            guessed = any(s.draft_token_ids for s in steps)
-            self.costs.observe(len(steps), guessed, result.forward_s, result.draft_s)
+            guesses = sum(len(s.draft_token_ids) for s in steps)
+            self.costs.observe(
+                len(steps), guesses, result.forward_s, result.draft_s, result.draft_step_s
+            )
 
     def take_counts(self) -> SpecCounts:
         """What verification accepted since the last call (the engine's step report)."""
@@ -183,18 +191,14 @@ class Speculator:
         return counts
 
 
-def may_speculate(req: Request, floor: float = MIN_ACCEPTANCE) -> bool:
+def may_speculate(req: Request) -> bool:
     p = req.params
-    exact = (
+    return (
         p.presence_penalty == 0.0
         and p.frequency_penalty == 0.0
         and p.repetition_penalty == 1.0
         and req.may_stop
     )
-    if not exact:
-        return False
-    drafted, accepted = req.num_draft_tokens, req.num_accepted_tokens
-    return drafted < ACCEPTANCE_WINDOW or accepted >= floor * drafted
 
 
 def draft_tokens(
@@ -202,12 +206,10 @@ def draft_tokens(
     config: SpeculativeConfig,
     room: int,
     max_model_len: int,
-    floor: float = MIN_ACCEPTANCE,
 ) -> list[int]:
     """Guesses for a sequence about to decode one token, within `room` more tokens this
-    step, its max_tokens and the context; [] where it must not or cannot guess, or where
-    fewer than `floor` of the guesses it has offered were accepted."""
-    if not may_speculate(req, floor):
+    step, its max_tokens and the context; [] where it must not or cannot guess."""
+    if not may_speculate(req):
         return []
     limit = min(
         config.num_speculative_tokens,

@@ -71,6 +71,8 @@ class ModelRunnerOutput:
     num_tokens: int = 0  # tokens the forward computed
     forward_s: float = 0.0
     draft_s: float = 0.0  # the draft model's share of forward_s
+    # Seconds of each of the draft's one-token steps after its first forward; None if none.
+    draft_step_s: float | None = None
 
 
 @dataclass

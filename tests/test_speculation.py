@@ -15,6 +15,8 @@ from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.kv_cache import KVCacheManager
 from scheduler.request import Request, SamplingParams
+from scheduler.spec_costs import SpecCosts
+from scheduler.spec_length import guess_length, probe_interval
 from scheduler.speculation import (
     SpeculativeConfig,
     SpeculativeConfigError,
@@ -301,23 +303,50 @@ def test_served_with_speculation(ours_default, live_server) -> None:
     assert float(accepted_line[0].rsplit(" ", 1)[1]) > 0
 
 
-def test_guessing_steps_aside_where_its_measured_cost_says_it_would_not_pay() -> None:
-    """Four guesses that cost as much as the verification plus a 75 ms draft, against a
-    40 ms plain step, need half of them kept; a sequence keeping 40% guesses on with the
-    cost unknown (the fixed 20% floor) and stops once the costs are seen."""
-    config = SpeculativeConfig(num_speculative_tokens=4)
-    req = Request("r", [1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], params())
-    req.num_draft_tokens, req.num_accepted_tokens = 40, 16
+def test_a_guess_costs_its_verified_row_and_a_draft_step() -> None:
+    """Steps of one sequence: plain 40 ms; four guesses 120 ms, 75 of them the draft's, of
+    which three one-token steps of 15 ms after its first forward: a guess costs 5 / 4 ms
+    of verification and 15 of drafting, 0.40625 of a plain step."""
+    costs = SpecCosts()
+    costs.observe(1, guesses=4, forward_s=0.120, draft_s=0.075, draft_step_s=0.015)
+    assert costs.guess_cost(1) is None  # no plain step seen yet
+    costs.observe(1, guesses=0, forward_s=0.040)
+    assert costs.guess_cost(1) == pytest.approx(0.40625)
+    assert costs.guess_cost(2) is None  # costs are per batch size
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0])
+@pytest.mark.parametrize("cost", [0.05, 0.25, 0.75, 1.5])
+def test_the_guess_length_maximises_expected_tokens_per_cost(rate, cost) -> None:
+    """Against every length tried: guesses kept one after another at `rate`."""
+
+    def per_cost(k: int) -> float:
+        return sum(rate**i for i in range(k + 1)) / (1 + k * cost)
+
+    best = max(per_cost(k) for k in range(9))
+    assert per_cost(guess_length(rate, cost, 8)) == pytest.approx(best)
+
+
+def test_a_sequence_guesses_as_far_as_its_acceptance_pays_and_probes_when_it_does_not():
+    config = SpeculativeConfig(num_speculative_tokens=8, prompt_lookup_min=1)
+    req = Request("r", [1, 2, 3, 4, 5, 6, 7, 8, 9, 1], params())
     speculator = Speculator(config, max_model_len=256)
-    assert speculator.active(1)
-    assert speculator.drafts(req, room=8) == [4, 1, 2, 3]
-    speculator.costs.observe(1, guessed=True, forward_s=0.120, draft_s=0.075)
-    speculator.costs.observe(1, guessed=False, forward_s=0.040, draft_s=0.0)
-    assert speculator.costs.min_acceptance(1, 4) == pytest.approx(0.5)
-    assert speculator.active(1)
-    assert speculator.drafts(req, room=8) == []
-    req.num_accepted_tokens = 24  # 60% kept: guessing pays
-    assert speculator.drafts(req, room=8) == [4, 1, 2, 3]
-    # Costs are per batch size: one not yet seen keeps the fixed floor.
-    assert speculator.active(2)
-    assert speculator.drafts(req, room=8) == [4, 1, 2, 3]
+    speculator.costs.observe(1, guesses=4, forward_s=0.080)
+    assert not speculator.active(1)  # a plain step first, to price a guess
+    speculator.costs.observe(1, guesses=0, forward_s=0.040)
+    assert speculator.active(1)  # a guess costs a quarter of a step
+    assert speculator.drafts(req, room=16) == [2, 3, 4, 5, 6, 7, 8, 9]  # its first guess
+    for _ in range(3):
+        speculator.record(req, 8, 0)
+    assert speculator.drafts(req, room=16) == []  # three wrong: a guess does not pay
+    for _ in range(6):  # every guess kept: 25 of 29 with the prior, five guesses pay
+        speculator.record(req, 4, 4)
+    assert speculator.drafts(req, room=16) == [2, 3, 4, 5, 6]
+    assert speculator.drafts(req, room=3) == [2, 3, 4]
+    wrong = Request("w", [1, 2, 3, 4, 5, 6, 7, 8, 9, 1], params(max_tokens=64))
+    for _ in range(3):  # every guess wrong
+        speculator.record(wrong, 4, 0)
+    assert speculator.drafts(wrong, room=16) == []
+    for token in [*range(10, 9 + probe_interval(0.25)), 1]:  # decoded without guessing
+        wrong.append_output(token)
+    assert speculator.drafts(wrong, room=16) == [10]  # one guess, to see if that changed

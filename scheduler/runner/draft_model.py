@@ -16,6 +16,7 @@ so a draft position computed from stale context costs acceptance, never correctn
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import replace
 
@@ -39,12 +40,16 @@ class DraftModel:
         # Per sequence, how many of its positions the draft's cache holds, as of the last
         # step the draft ran; only that step's sequences are kept.
         self._done: dict[str, int] = {}
+        # Seconds of each one-token step after the first forward in the last propose(), the
+        # price of one more guess (scheduler/spec_costs.py); None where it took none.
+        self.step_s: float | None = None
 
     def propose(self, scheduled: list[ScheduledRequest], vocab: int) -> list[ScheduledRequest]:
         """The step's sequences, each speculating one with its reserved guess slots
         (`draft_token_ids`) filled by the draft's greedy choices among the first `vocab`
         ids (those the target may sample). A step where nobody guesses costs nothing: the
         draft catches up on what it missed when a sequence guesses again."""
+        self.step_s = None
         guessing = [i for i, s in enumerate(scheduled) if s.draft_token_ids]
         if not guessing:
             return scheduled
@@ -67,7 +72,9 @@ class DraftModel:
             i: [token]
             for i, token in zip(guessing, self._choose(logits, guessing, vocab), strict=True)
         }
-        for ahead in range(1, max(len(scheduled[i].draft_token_ids) for i in guessing)):
+        longest = max(len(scheduled[i].draft_token_ids) for i in guessing)
+        started = time.monotonic()
+        for ahead in range(1, longest):
             going = [i for i in guessing if len(scheduled[i].draft_token_ids) > ahead]
             logits = self._forward(
                 [[guesses[i][-1]] for i in going],
@@ -77,6 +84,8 @@ class DraftModel:
             for i, token in zip(going, self._choose(logits, range(len(going)), vocab), strict=True):
                 guesses[i].append(token)
 
+        if longest > 1:
+            self.step_s = (time.monotonic() - started) / (longest - 1)
         filled = list(scheduled)
         for i, guess in guesses.items():
             s = scheduled[i]
