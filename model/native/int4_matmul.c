@@ -53,18 +53,13 @@ static inline __attribute__((always_inline)) void tile_block(
         0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
         0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
     const __m512i table = _mm512_loadu_si512(table_values);
-    /* With few rows, each row's sum of a group is one chain of dependent dpbf16s, and a
-     * one-row product was bound by their latency: the high nibbles' products go to a
-     * second sum, added at the group's end (a 1.5B model's one-token step 36.7 -> 34.5 ms
-     * on a 2-core AVX-512 BF16 EPYC). Where the rows fill the registers, one sum each. */
-    const int split = tiles == 1 && rows <= 4;
     __m512 total[ROW_BLOCK][2];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < tiles; j++) total[m][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
-        __m512 part[ROW_BLOCK][2], part2[ROW_BLOCK][2];
+        __m512 part[ROW_BLOCK][2];
         for (int m = 0; m < rows; m++)
-            for (int j = 0; j < tiles; j++) part[m][j] = part2[m][j] = _mm512_setzero_ps();
+            for (int j = 0; j < tiles; j++) part[m][j] = _mm512_setzero_ps();
         for (int s = 0; s < GROUP / 4; s++) {
             __m512bh lo[2], hi[2];
             for (int j = 0; j < tiles; j++) {
@@ -82,10 +77,7 @@ static inline __attribute__((always_inline)) void tile_block(
                 const __m512bh x1 = as_bh(_mm512_set1_epi32(pair1));
                 for (int j = 0; j < tiles; j++) {
                     part[m][j] = _mm512_dpbf16_ps(part[m][j], x0, lo[j]);
-                    if (split)
-                        part2[m][j] = _mm512_dpbf16_ps(part2[m][j], x1, hi[j]);
-                    else
-                        part[m][j] = _mm512_dpbf16_ps(part[m][j], x1, hi[j]);
+                    part[m][j] = _mm512_dpbf16_ps(part[m][j], x1, hi[j]);
                 }
             }
         }
@@ -93,8 +85,7 @@ static inline __attribute__((always_inline)) void tile_block(
             const __m512 scale = bf16x16_to_ps(sz + j * tile_scales + g * 2 * TILE);
             const __m512 zero = bf16x16_to_ps(sz + j * tile_scales + g * 2 * TILE + TILE);
             for (int m = 0; m < rows; m++) {
-                const __m512 sum = split ? _mm512_add_ps(part[m][j], part2[m][j]) : part[m][j];
-                total[m][j] = _mm512_fmadd_ps(sum, scale, total[m][j]);
+                total[m][j] = _mm512_fmadd_ps(part[m][j], scale, total[m][j]);
                 total[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), zero,
                                               total[m][j]);
             }
