@@ -59,10 +59,15 @@ def assert_a_row_alone_equals_it_in_a_batch(kernel) -> None:
     NativeInt4Matmul's layout."""
     q, scales, generator = random_int4(576, 960)
     weight, tiled = NativeInt4Matmul.pack(q, scales)
-    x = torch.randn(33, 576, generator=generator).bfloat16()
-    batch = kernel(x, weight, tiled, 960)
-    for row in (0, 7, 8, 20, 32):
-        assert torch.equal(kernel(x[row : row + 1].clone(), weight, tiled, 960)[0], batch[row])
+    # Values over many octaves, so that float32 sums round and their order shows: with
+    # plain randn, sums taken in another order came out equal.
+    x = torch.randn(33, 576, generator=generator)
+    x = (x * torch.exp2(torch.randint(-12, 12, x.shape, generator=generator))).bfloat16()
+    alone = [kernel(x[row : row + 1].clone(), weight, tiled, 960)[0] for row in range(33)]
+    for rows in (*range(2, 10), 16, 33):  # blocks of every size; tile pairs from 16 rows
+        batch = kernel(x[:rows].clone(), weight, tiled, 960)
+        for row in range(rows):
+            assert torch.equal(alone[row], batch[row]), (rows, row)
 
 
 def test_a_row_alone_equals_it_in_a_batch(kernel) -> None:
