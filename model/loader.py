@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from model.weights.default_model import default_model_path
 from model.weights.pypi_models import resolve_model_path
 
 logger = logging.getLogger(__name__)
+TRIM_BYTES = 16 << 20
 
 
 @dataclass
@@ -125,7 +127,7 @@ def load_model(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model.load_weights((n, t.to(device)) for n, t in bar)
+        model.load_weights((n, t.to(device)) for n, t in _trimming(bar))
     except ValueError as exc:
         if isinstance(exc, ModelFileError | UnsupportedModelError):
             raise
@@ -187,3 +189,18 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
         return open_checkpoint(path).config
     except ModelFileError:
         return None
+
+
+def _trimming(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The weights, with the C heap's free pages handed back each time tensors of
+    `TRIM_BYTES` in all have been taken: their temporaries (dequantised blocks, staging)
+    otherwise stay resident in glibc's heap, 60-130 MB at a time on Qwen2.5-0.5B, all of
+    it counted in the server's peak memory. Not after every tensor: each trim walks the
+    heap, and that took loading from 9 to 12 s."""
+    taken = 0
+    for name, tensor in weights:
+        if taken >= TRIM_BYTES:
+            return_free_heap()
+            taken = 0
+        taken += tensor.numel() * tensor.element_size()
+        yield name, tensor

@@ -61,10 +61,13 @@ def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
     return weight.view(n_heads, head_dim // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
 
 
-# A tensor larger than this in float32 (a vocabulary's embedding or output weight) comes in
-# blocks of rows: dequantised whole, Qwen2.5-0.5B's 152k-row embedding alone took 545 MB in
-# float32 and as much again in temporaries, doubling the server's peak memory at load.
-ROW_BLOCK_BYTES = 64 << 20
+# A tensor larger than this in float32 comes in blocks of rows: dequantised whole,
+# Qwen2.5-0.5B's 152k-row embedding alone took 545 MB in float32 and as much again in
+# temporaries, doubling the server's peak memory at load; and each layer's temporaries,
+# several times its float32 size, were what the peak held above the loaded weights (blocks
+# of 64 MB: peak 1.12 GB for 0.98 GB loaded; of 4 MB, with the heap trimmed as loading
+# goes, model/loader.py: 1.03 GB, in the same time).
+ROW_BLOCK_BYTES = 4 << 20
 
 
 def _block_rows(tensor: GGUFTensor, permuted: bool) -> int:
