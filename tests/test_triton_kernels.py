@@ -124,3 +124,62 @@ def test_paged_prefill_matches_twin(
     paged_prefill(q, k_cache, v_cache, *args, max(query_lens), out, scale)
     paged_prefill_reference(q, k_cache, v_cache, *args, expected, scale)
     torch.testing.assert_close(out, expected, **TOL)
+
+
+# Sliding windows (Gemma 3, Mistral): one that ends mid-block, over the sequences above,
+# some shorter than it; split-K on, so some splits lie wholly before a window.
+WINDOWED = [(1, 64, 16, True), (4, 128, 32, True), (3, 64, 16, False)]
+
+
+@pytest.mark.parametrize(("n_rep", "head_dim", "block_size", "split"), WINDOWED)
+def test_paged_decode_masks_a_sliding_window(
+    n_rep: int, head_dim: int, block_size: int, split: bool, device: str
+) -> None:
+    lengths = [1, block_size + 1, 3 * block_size - 1, 5 * block_size + 3]
+    window = block_size + 5
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 2
+    k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 20 + n_rep)
+    tables = _tables(lengths, block_size, num_blocks, n_rep).to(device)
+    q = torch.randn(len(lengths), N_KV * n_rep, head_dim, device=device)
+    token_index = torch.arange(len(lengths), device=device)
+    seq_lens = torch.tensor(lengths, device=device)
+    args = (q, k_cache, v_cache, tables, seq_lens, token_index)
+    out, expected, unwindowed = (torch.zeros_like(q) for _ in range(3))
+    scale = head_dim**-0.5
+    paged_decode(*args, out, scale, 1 if split else 64, window)
+    paged_decode_reference(*args, expected, scale, window)
+    paged_decode_reference(*args, unwindowed, scale)
+    torch.testing.assert_close(out, expected, **TOL)
+    # Shorter than the window: all of it seen; longer: the window changes the result.
+    torch.testing.assert_close(out[:2], unwindowed[:2], **TOL)
+    assert not torch.allclose(out[2:], unwindowed[2:], **TOL)
+
+
+@pytest.mark.parametrize(("n_rep", "head_dim", "block_size"), [c[:3] for c in WINDOWED])
+def test_paged_prefill_masks_a_sliding_window(
+    n_rep: int, head_dim: int, block_size: int, device: str
+) -> None:
+    # (cached prefix, new tokens): a prompt longer than the window, a chunk after a prefix
+    # longer than it, and one token after a prefix.
+    shapes = [(0, 3 * block_size + 3), (2 * block_size + 3, 17), (4 * block_size, 1)]
+    window = block_size + 5
+    lengths = [p + n for p, n in shapes]
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 2
+    k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 30 + n_rep)
+    tables = _tables(lengths, block_size, num_blocks, n_rep).to(device)
+    query_lens = [n for _, n in shapes]
+    starts = [sum(query_lens[:i]) for i in range(len(shapes))]
+    q = torch.randn(sum(query_lens), N_KV * n_rep, head_dim, device=device)
+    args = (
+        tables,
+        torch.tensor(lengths, device=device),
+        torch.tensor(starts, device=device),
+        torch.tensor(query_lens, device=device),
+    )
+    out, expected, unwindowed = (torch.zeros_like(q) for _ in range(3))
+    scale = head_dim**-0.5
+    paged_prefill(q, k_cache, v_cache, *args, max(query_lens), out, scale, window)
+    paged_prefill_reference(q, k_cache, v_cache, *args, expected, scale, window)
+    paged_prefill_reference(q, k_cache, v_cache, *args, unwindowed, scale)
+    torch.testing.assert_close(out, expected, **TOL)
+    assert not torch.allclose(out, unwindowed, **TOL)

@@ -1,7 +1,8 @@
 """`triton_paged`: the CUDA attention backend. K/V are written through the slot mapping
 and read in place from the paged cache: decodes by the GQA-aware split-K kernel, prefill
 chunks (with or without a cached prefix) by the ragged prefill kernel. Nothing is gathered
-into padded copies, unlike the reference backend.
+into padded copies, unlike the reference backend. Sliding-window layers pass their window
+to both kernels, which skip the blocks before it.
 
 A step of decodes only is planned from the batch's own device tensors, with no
 host-to-device copy and a grid that depends on shapes alone: CUDA graphs capture it.
@@ -51,6 +52,7 @@ class TritonPagedPlan:
 class TritonPagedBackend(AttentionBackend):
     name = "triton_paged"
     supports_cuda_graphs = True
+    supports_window = True
 
     def __init__(self, blocks_per_split: int = BLOCKS_PER_SPLIT) -> None:
         self.blocks_per_split = blocks_per_split
@@ -93,7 +95,7 @@ class TritonPagedBackend(AttentionBackend):
         batch: Batch,
         plan: TritonPagedPlan,
         scale: float,
-        window: int | None = None,  # never set: supports_window is False
+        window: int | None = None,
     ) -> torch.Tensor:
         q = q.contiguous()
         kv_write(k.contiguous(), v.contiguous(), k_cache, v_cache, batch.slot_mapping)
@@ -110,6 +112,7 @@ class TritonPagedBackend(AttentionBackend):
                 out,
                 scale,
                 self.blocks_per_split,
+                window or 0,
             )
         if plan.prefill is not None:
             p = plan.prefill
@@ -124,5 +127,6 @@ class TritonPagedBackend(AttentionBackend):
                 p.max_query_len,
                 out,
                 scale,
+                window or 0,
             )
         return out

@@ -7,7 +7,9 @@ covering a fixed run of `blocks_per_split` blocks; a second kernel merges the sp
 partial results by their log-sum-exp. A split past a sequence's end contributes nothing,
 so the result depends only on the sequence itself, not on the grid it ran in, and the
 grid depends only on shapes: CUDA graphs can capture it. The split count is a run-time
-argument, so contexts of every length share one compiled kernel.
+argument, so contexts of every length share one compiled kernel. A sliding window (a
+run-time argument too, 0 for none) skips the blocks wholly before it and masks the rest
+of its first block; a split wholly before it contributes nothing.
 
 Softmax and accumulation run in fp32 whatever the cache dtype."""
 
@@ -31,6 +33,7 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    window,
     num_splits,
     stride_qt,
     stride_qh,
@@ -67,8 +70,11 @@ def _decode_split_kernel(
     )
 
     offsets = tl.arange(0, BLOCK_SIZE)
+    # The first position the query sees: the window's start, or 0 without one.
+    start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
     first = split * BLOCKS_PER_SPLIT
     last = tl.minimum(first + BLOCKS_PER_SPLIT, tl.cdiv(seq_len, BLOCK_SIZE))
+    first = tl.maximum(first, start // BLOCK_SIZE)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
@@ -77,7 +83,8 @@ def _decode_split_kernel(
         cache_offsets = (
             block * stride_cb + offsets[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
         )
-        allowed = (b * BLOCK_SIZE + offsets < seq_len)[None, :]
+        positions = b * BLOCK_SIZE + offsets
+        allowed = ((positions < seq_len) & (positions >= start))[None, :]
         m, denom, acc = attend_block(
             q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
         )
@@ -143,10 +150,12 @@ def paged_decode(
     out: torch.Tensor,
     scale: float,
     blocks_per_split: int,
+    window: int = 0,
 ) -> None:
     """Attention of the query at row token_index[i] of q ([T, n_heads, head_dim]) over
-    sequence i's first seq_lens[i] cached tokens, written to the same row of out.
-    block_tables: [B, max_blocks]; the number of splits follows from its width alone."""
+    sequence i's first seq_lens[i] cached tokens (its last `window` only, where given),
+    written to the same row of out. block_tables: [B, max_blocks]; the number of splits
+    follows from its width alone."""
     num_seqs, max_blocks = block_tables.shape
     if num_seqs == 0:
         return
@@ -174,6 +183,7 @@ def paged_decode(
         part_out,
         part_lse,
         scale,
+        window,
         num_splits,
         q.stride(0),
         q.stride(1),
@@ -217,6 +227,7 @@ def paged_decode_reference(
     token_index: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> None:
     """The twin: one sequence at a time, its context gathered block by block, fp32."""
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -228,4 +239,6 @@ def paged_decode_reference(
         keys = keys.repeat_interleave(n_heads // n_kv, dim=1)  # [L, n_heads, d]
         values = values.repeat_interleave(n_heads // n_kv, dim=1)
         scores = torch.einsum("hd,lhd->hl", q[token].float(), keys) * scale
+        if window:
+            scores[:, : max(0, length - window)] = float("-inf")
         out[token] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(out.dtype)

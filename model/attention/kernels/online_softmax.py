@@ -11,13 +11,16 @@ import triton.language as tl
 def attend_block(q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc):
     """q: [M, D] tile; cache_offsets: [BLOCK_SIZE, D] of the block's K/V for this KV head;
     allowed: [M, BLOCK_SIZE] which keys each query may see. Returns the updated (m, denom,
-    acc). Every row must see at least one key in its first block, or its maximum stays -inf."""
+    acc). A row that has seen no key yet (a sliding window's query in a block before its
+    window) keeps a maximum of -inf and nothing else: its shift is taken as 0, since
+    -inf - -inf would be NaN."""
     k = tl.load(k_cache_ptr + cache_offsets, mask=dim_ok[None, :], other=0.0)
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale
     scores = tl.where(allowed, scores, float("-inf"))
     m_new = tl.maximum(m, tl.max(scores, 1))
-    alpha = tl.exp(m - m_new)
-    p = tl.exp(scores - m_new[:, None])
+    shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m - shift)
+    p = tl.exp(scores - shift[:, None])
     denom = denom * alpha + tl.sum(p, 1)
     v = tl.load(v_cache_ptr + cache_offsets, mask=dim_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")

@@ -4,7 +4,8 @@ blocks shared through the prefix cache). The new tokens' K/V are already in the 
 this runs, so the whole context is read through the block table, page by page.
 
 One program serves one (sequence, query head, tile of BLOCK_M new tokens); it stops at the
-last key its tile's final query can see. Softmax and accumulation in fp32."""
+last key its tile's final query can see, and with a sliding window (0 for none) starts at
+the block of the first key its first query sees. Softmax and accumulation in fp32."""
 
 import torch
 import triton
@@ -27,6 +28,7 @@ def _prefill_kernel(
     query_lens_ptr,
     out_ptr,
     scale,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -62,19 +64,23 @@ def _prefill_kernel(
     # Keys up to the tile's last query (a tile past the sequence's new tokens reads none).
     visible = tl.minimum(seq_len, seq_len - query_len + (tile + 1) * BLOCK_M)
     num_blocks = tl.where(tile * BLOCK_M < query_len, tl.cdiv(visible, BLOCK_SIZE), 0)
+    # A window: query p sees p - window + 1 .. p; the tile's first query the earliest.
+    first_seen = tl.maximum(seq_len - query_len + tile * BLOCK_M - window + 1, 0)
+    first_block = tl.where(window > 0, first_seen // BLOCK_SIZE, 0)
 
     offsets = tl.arange(0, BLOCK_SIZE)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    for b in range(0, num_blocks):
+    for b in range(first_block, num_blocks):
         block = tl.load(block_tables_ptr + seq * stride_bt + b)
         cache_offsets = (
             block * stride_cb + offsets[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
         )
         positions = b * BLOCK_SIZE + offsets
         allowed = (positions[None, :] <= q_positions[:, None]) & (positions < seq_len)[None, :]
-        # Block 0 holds position 0, which every query sees: no row's maximum stays -inf.
+        in_window = positions[None, :] > q_positions[:, None] - window
+        allowed = allowed & ((window <= 0) | in_window)
         m, denom, acc = attend_block(
             q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
         )
@@ -95,10 +101,12 @@ def paged_prefill(
     max_query_len: int,
     out: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> None:
     """Sequence i's query_lens[i] new tokens sit at rows query_starts[i]... of q
     ([T, n_heads, head_dim]) and are the last of its seq_lens[i] cached tokens; their
-    attention goes to the same rows of out."""
+    attention (to their last `window` positions only, where given) goes to the same rows
+    of out."""
     num_seqs = block_tables.shape[0]
     if num_seqs == 0:
         return
@@ -115,6 +123,7 @@ def paged_prefill(
         query_lens,
         out,
         scale,
+        window,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -141,6 +150,7 @@ def paged_prefill_reference(
     query_lens: torch.Tensor,
     out: torch.Tensor,
     scale: float,
+    window: int = 0,
 ) -> None:
     """The twin: one sequence at a time, an explicit causal mask, fp32."""
     n_heads, head_dim = q.shape[1], q.shape[2]
@@ -155,7 +165,10 @@ def paged_prefill_reference(
         queries = q[start : start + count].float()  # [n, n_heads, d]
         scores = torch.einsum("nhd,lhd->hnl", queries, keys) * scale
         q_pos = torch.arange(length - count, length, device=q.device)
-        causal = torch.arange(length, device=q.device)[None, :] <= q_pos[:, None]
+        key_pos = torch.arange(length, device=q.device)[None, :]
+        causal = key_pos <= q_pos[:, None]
+        if window:
+            causal &= key_pos > q_pos[:, None] - window
         scores = scores.masked_fill(~causal, float("-inf"))
         attn = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
         out[start : start + count] = attn.to(out.dtype)
