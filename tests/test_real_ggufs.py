@@ -55,6 +55,32 @@ def test_qwen_tokenizer_matches_transformers(real) -> None:
         assert ours.tokenizer.decode(want) == hf.decode(want), text
 
 
+CONVERSATIONS = [
+    [{"role": "user", "content": "Write a function that reverses a string."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi! 你好 🙂"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "What is 2+2?"},
+    ],
+]
+
+
+def test_chat_template_matches_transformers(real) -> None:
+    """The file's own chat template, rendered and tokenized, as transformers does from the
+    same GGUF; a file without one (Gemma 3 270M is a base model) has none in either."""
+    path, ours = real
+    hf = hf_tokenizer_of(path)
+    if hf.chat_template is None:
+        assert ours.chat_template is None
+        return
+    for messages in CONVERSATIONS:
+        want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert ours.chat_template.render(messages) == want
+        ids = ours.chat_template.prompt_ids(messages, ours.tokenizer)
+        assert ids == hf.encode(want, add_special_tokens=False)
+
+
 def test_greedy_continuations_match_transformers(real) -> None:
     """transformers, teacher-forced on our continuation, predicts each of its tokens: its
     own greedy generation would be the same 24 tokens (one forward per prompt rather than
