@@ -3,10 +3,10 @@ each sequence's guesses are weighed against (scheduler/spec_length.py).
 
 A speculating step costs the verification (a forward of 1 + k rows a sequence) plus the
 draft model's k one-token steps; a plain step one forward for one token. On a 2-core
-AVX-512 BF16 EPYC a 1.5B target's plain step takes 38.5 ms and each verified row about
-10 ms more, a quarter of a step; a 0.5B draft adds 18 ms a guess, so one of its guesses
-costs three quarters of a target step and pays only where it is kept more often than
-that. n-gram guesses cost only their rows.
+AVX-512 BF16 EPYC a 1.5B target's plain step takes 35-39 ms and each verified row about
+11 ms more, near a third of a step; a 0.5B draft adds 18-20 ms a guess, so one of its
+guesses costs three quarters of a target step and pays only where it is kept more often
+than that. n-gram guesses cost only their rows.
 
 Costs are the runner's seconds for steps of decodes only (one new token a sequence, plus
 guesses), smoothed, per number of sequences in the step: a step's cost grows with its
