@@ -7,7 +7,6 @@ tensors in the HF (rotate-halves) RoPE layout and fills the fused ones.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 
 import torch
@@ -24,7 +23,6 @@ from model.parallel.plan import TensorParallel
 from model.quantized_linear import Int8GroupLinear, QuantizedLinear, quantized_linear
 from model.rope import rotary_embeddings
 
-logger = logging.getLogger(__name__)
 # Another quantization, and the linear layers ('layers.3.down_proj') that take it.
 WideLayers = tuple[str, frozenset[str]]
 
@@ -47,7 +45,6 @@ class Llama(nn.Module):
         self.vocab_rows = tp.vocab_rows(config.vocab_size) if tp else (0, config.vocab_size)
         vocab_rows = self.vocab_rows[1] - self.vocab_rows[0]
         self.attention = attention or TorchRefBackend()
-        self._window_backend: AttentionBackend | None = None
         # Rank 0 of a tensor-parallel group broadcasts each step here (model/parallel/steps.py).
         self.before_forward: Callable[[Batch, PagedKVCache], None] | None = None
         self.embed_tokens = nn.Embedding(vocab_rows, config.dim)
@@ -171,8 +168,6 @@ class Llama(nn.Module):
     def _layers(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:
         c = self.config
         attention = self.attention
-        if c.sliding_window is not None and not attention.supports_window:
-            attention = self._window_reference()
         plan = attention.plan(batch)
         h = self._embed(batch.input_ids)
         rope = self.rope(batch.positions)
@@ -183,18 +178,6 @@ class Llama(nn.Module):
             angles = local_rope if window is not None else rope
             h = layer(h, batch, angles, attention, plan, k_cache, v_cache, window)
         return h
-
-    def _window_reference(self) -> AttentionBackend:
-        """Sliding-window layers on a backend whose kernels attend to the whole context
-        run on the reference backend instead, over the same paged cache; said once."""
-        if not isinstance(self._window_backend, TorchRefBackend):
-            self._window_backend = TorchRefBackend()
-            logger.info(
-                "%s attention has no sliding window: the model's windowed layers use "
-                "torch_ref attention",
-                self.attention.name,
-            )
-        return self._window_backend
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         h = self._lookup(ids)

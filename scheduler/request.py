@@ -195,10 +195,8 @@ class Request:
     # computed, which is why such a request never starts from cached prefix blocks.
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     first_scheduled_time: float | None = None
-    # Speculative decoding (scheduler/speculation.py): guesses offered and accepted so far.
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    acceptance: Acceptance = field(default_factory=Acceptance)  # recent verdicts, faded
+    # Speculative decoding: the verdicts on its guesses, older ones faded (spec_length.py).
+    acceptance: Acceptance = field(default_factory=Acceptance)
     # prompt + outputs, kept as one list: the scheduler and the batch read it every step,
     # and concatenating a long context per request per step is wasted copying.
     all_token_ids: list[int] = field(init=False)

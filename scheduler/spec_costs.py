@@ -56,6 +56,11 @@ class SpecCosts:
         if draft_step_s is not None:
             _smoothed(self.draft_step_s, size, draft_step_s)
 
+    def lacks_plain(self, size: int) -> bool:
+        """Guessing steps of `size` sequences are timed, plain ones not: sequences that
+        always guess would never price their guesses."""
+        return size in self.verify_s and size not in self.plain_s
+
     def guess_cost(self, size: int) -> float | None:
         """One more guess's cost in a step of `size` sequences, as a share of a plain step of
         that size; None until both kinds of step have been seen."""

@@ -149,13 +149,10 @@ class Speculator:
 
     def active(self, num_running: int) -> bool:
         """Whether this step guesses at all; also fixes what a guess costs in it. A batch
-        size whose guessing steps are timed but not its plain ones takes one plain step:
-        sequences that always guess would otherwise never price their guesses."""
-        if num_running > self.config.disable_by_batch_size:
+        size with no plain step timed yet takes one, to price its guesses."""
+        if num_running > self.config.disable_by_batch_size or self.costs.lacks_plain(num_running):
             return False
         cost = self.costs.guess_cost(num_running)
-        if cost is None and num_running in self.costs.verify_s:
-            return False
         self._cost = DEFAULT_COST if cost is None else cost
         return True
 
@@ -167,8 +164,6 @@ class Speculator:
 
     def record(self, req: Request, drafted: int, accepted: int) -> None:
         """Before the step's tokens are appended to `req`."""
-        req.num_draft_tokens += drafted
-        req.num_accepted_tokens += accepted
         req.acceptance.record(req.num_tokens, drafted, accepted)
         self.counts.add(drafted, accepted)
 

@@ -19,9 +19,6 @@ class AttentionBackend(ABC):
     # True when a step of decodes only is planned from the batch's device tensors alone
     # (no host-to-device copies, a grid fixed by shapes): CUDA graphs can capture it.
     supports_cuda_graphs: bool = False
-    # True when `forward` honours `window` (sliding-window layers); a model with such layers
-    # sends them to the reference backend otherwise (model/llama.py).
-    supports_window: bool = False
 
     @abstractmethod
     def plan(self, batch: Batch) -> Any:

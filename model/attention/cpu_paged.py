@@ -54,7 +54,6 @@ class CpuPagedBackend(TorchRefBackend):
     be built."""
 
     name = "cpu_paged"
-    supports_window = True
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         self.kernels = paged_decode_kernels(library)

@@ -54,7 +54,6 @@ class TorchRefPlan:
 
 class TorchRefBackend(AttentionBackend):
     name = "torch_ref"
-    supports_window = True
 
     def plan(self, batch: Batch) -> TorchRefPlan:
         decodes = [i for i, q in enumerate(batch.query_lens) if q == 1]

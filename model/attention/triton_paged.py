@@ -52,7 +52,6 @@ class TritonPagedPlan:
 class TritonPagedBackend(AttentionBackend):
     name = "triton_paged"
     supports_cuda_graphs = True
-    supports_window = True
 
     def __init__(self, blocks_per_split: int = BLOCKS_PER_SPLIT) -> None:
         self.blocks_per_split = blocks_per_split
