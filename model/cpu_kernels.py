@@ -87,9 +87,9 @@ def int4_kernel(
 
 
 def head_int8(config: ModelConfig, fmt: object, quantized: bool, device: torch.device) -> bool:
-    """Whether the output projection runs in grouped int8 (weight_format.py says when it
+    """Whether the output projection runs in grouped int8 (head_format.py says when it
     may, and times it under `auto`)."""
-    from model.weight_format import choose_head_int8, head_int8_applies
+    from model.head_format import choose_head_int8, head_int8_applies
 
     if _mode == "torch":
         return False

@@ -20,7 +20,8 @@ from model.attention.base import AttentionBackend
 from model.batch import Batch
 from model.config import ModelConfig
 from model.int4_kernel import NATIVE_INT4_KERNELS
-from model.native.layer import INT4, INT4_A8, INT8_GROUPS, NativeDecoderLayer, NativeWeight
+from model.int5_linear import Int5Linear
+from model.native.layer import INT4, INT4_A8, INT5, INT8_GROUPS, NativeDecoderLayer, NativeWeight
 from model.quantized_linear import Int4Linear, Int8GroupLinear
 from model.rope import apply_rope
 
@@ -153,4 +154,6 @@ def _native_weight(proj: nn.Module) -> NativeWeight | None:
         return proj.weight_int4, proj.scales_and_zeros, kind
     if isinstance(proj, Int8GroupLinear) and not proj.fp32_output:
         return proj.weight_int8, proj.scales, INT8_GROUPS
+    if isinstance(proj, Int5Linear):
+        return proj.weight_int5, proj.scales, INT5
     return None

@@ -7,7 +7,7 @@ tensors in the HF (rotate-halves) RoPE layout and fills the fused ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -23,8 +23,8 @@ from model.parallel.plan import TensorParallel
 from model.quantized_linear import Int8GroupLinear, QuantizedLinear, quantized_linear
 from model.rope import rotary_embeddings
 
-# Another quantization, and the linear layers ('layers.3.down_proj') that take it.
-WideLayers = tuple[str, frozenset[str]]
+# Linear layers ('layers.3.down_proj') in another quantization than the model's.
+LayerQuantizations = Mapping[str, str]
 
 
 class Llama(nn.Module):
@@ -86,17 +86,20 @@ class Llama(nn.Module):
         calls (model/native/layer.py says what fits). Returns how many do."""
         return sum(layer.use_native() for layer in self.layers)
 
-    def quantize_linears(self, quantization: str, wide: WideLayers | None = None) -> None:
+    def quantize_linears(
+        self, quantization: str, layer_quantizations: LayerQuantizations | None = None
+    ) -> None:
         """Swaps every decoder linear layer for an empty quantised one before loading, so
-        weights stream straight into the quantised form (`wide`'s layers into its own
-        quantization). The output projection keeps the model dtype: 4 bits cost the most
-        there (GGUF files keep it at 8 bits or more), and a tied one shares the embedding."""
-        wide_quantization, wide_layers = wide or (quantization, frozenset())
+        weights stream straight into the quantised form (each layer named in
+        `layer_quantizations` into its own). The output projection keeps the model dtype: 4
+        bits cost the most there (GGUF files keep it at 8 bits or more), and a tied one
+        shares the embedding."""
+        layer_quantizations = layer_quantizations or {}
         for index, owner in enumerate(self.layers):
             for name, child in list(owner.named_children()):
                 if isinstance(child, nn.Linear):
                     key = f"layers.{index}.{name}"
-                    own = wide_quantization if key in wide_layers else quantization
+                    own = layer_quantizations.get(key, quantization)
                     shape = (child.in_features, child.out_features)
                     setattr(owner, name, quantized_linear(own, *shape, "meta"))
 
@@ -126,24 +129,24 @@ class Llama(nn.Module):
         quantization: str | None = None,
         tp: TensorParallel | None = None,
         head_int8: bool = False,
-        wide: WideLayers | None = None,
+        layer_quantizations: LayerQuantizations | None = None,
     ) -> Llama:
         """A model with uninitialised weights: random init of a model about to be loaded
         costs seconds for nothing. With `quantization`, the linear layers are quantised
-        ones, filled as the weights load (`wide`'s layers in its own quantization); with
+        ones, filled as the weights load (`layer_quantizations`' layers in their own); with
         `head_int8`, the output projection too (grouped int8, model/quantized_linear.py)."""
         with torch.device("meta"):
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
-                model.quantize_linears(quantization, wide)
+                model.quantize_linears(quantization, layer_quantizations)
             if head_int8:
                 model.quantize_head()
         # The dtype is set while the tensors are still shapes: materialising in fp32 and
         # then casting held both copies of the embedding at once.
         model = model.to(dtype).to_empty(device=device)
         for module in model.quantized_modules().values():
-            # The int4 kernels take bf16 scales, the int8 one fp32, whatever `dtype`.
-            module.to(torch.float32 if isinstance(module, Int8GroupLinear) else torch.bfloat16)
+            # Each kernel reads its scales in its own dtype, whatever the model's.
+            module.to(module.scale_dtype)
         model.tie_weights()  # materialising gives the tied weight two separate storages
         model.rope, model.rope_local = rotary_embeddings(config, max_position, device)
         return model

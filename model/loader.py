@@ -28,6 +28,7 @@ from model.errors import (
     UnsupportedModelError,
 )
 from model.heap import return_free_heap
+from model.layer_formats import describe, layer_quantizations
 from model.llama import Llama
 from model.parallel.plan import TensorParallel
 from model.text.chat_template import ChatTemplate
@@ -103,6 +104,9 @@ def load_model(
     weights, presharded = checkpoint.weights(torch.float32 if fmt.quantization else fmt.dtype, tp)
     if tp is not None and not presharded:
         weights = tp.shard_weights(weights, config)
+    own_formats = layer_quantizations(
+        fmt, config, torch.device(device), wide, checkpoint.q5_0_linears
+    )
     model = Llama.empty(
         config,
         max_position,
@@ -111,7 +115,7 @@ def load_model(
         fmt.quantization,
         tp=tp,
         head_int8=head_int8,
-        wide=(fmt.wide, wide) if fmt.wide else None,
+        layer_quantizations=own_formats,
     )
     if embedding is not None:
         model.embed_tokens = embedding
@@ -141,7 +145,8 @@ def load_model(
         "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
         name,
         config.num_parameters() / 1e6,
-        fmt.describe() + (" (output projection int8)" if head_int8 else ""),
+        describe(fmt, own_formats, config.n_layers)
+        + (" (output projection int8)" if head_int8 else ""),
         device,
         model.attention.name,
         time.perf_counter() - started,

@@ -27,6 +27,8 @@ from model.native.ops import NativeInt4Matmul, NativeInt8Matmul, native_int4_mat
 INT4_GROUP = 32
 STAGE_ROWS = 1024
 QUANTIZATIONS = ("int8", "int8g", "int4", "w4a8")
+# Formats the loader gives single layers, never a whole model (no flag asks for them).
+LAYER_ONLY_QUANTIZATIONS = ("int5",)
 
 
 class QuantizedLinear(nn.Module):
@@ -71,6 +73,7 @@ class QuantizedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}"
 
     staging_dtype: torch.dtype  # the integer type `_stage` writes
+    scale_dtype = torch.bfloat16  # what the kernel reads its scales in, whatever the model's
 
     def _new_staging(self) -> torch.Tensor:
         return torch.empty(
@@ -213,6 +216,7 @@ class Int8GroupLinear(QuantizedLinear):
     its output takes the activations' dtype, the residual stream's."""
 
     staging_dtype = torch.int8
+    scale_dtype = torch.float32
 
     def __init__(
         self,
@@ -267,11 +271,17 @@ def quantized_linear(
 ) -> QuantizedLinear:
     """int4 is weight-only: the products take the activations in bf16. w4a8 is int4 on the
     kernel that rounds them to int8 first (llama.cpp's arithmetic for a Q4 GGUF), faster
-    where the CPU has AVX-512 VNNI and less exact."""
+    where the CPU has AVX-512 VNNI and less exact. int5 (GGUF Q5_0's own format) is no
+    choice of the flags: the loader takes it for Q5_0 layers (LAYER_ONLY_QUANTIZATIONS)."""
     if quantization == "int8":
         return Int8Linear(in_features, out_features, device)
     if quantization == "int8g":
         return Int8GroupLinear(in_features, out_features, device, fp32_output=False)
+    if quantization == "int5":
+        # Imported here: model/int5_linear.py builds on this module's QuantizedLinear.
+        from model.int5_linear import Int5Linear
+
+        return Int5Linear(in_features, out_features, device)
     if quantization == "int4":
         return Int4Linear(in_features, out_features, device, allowed=BF16_ACTIVATION_KERNELS)
     if quantization == "w4a8":

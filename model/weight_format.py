@@ -28,7 +28,7 @@ from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
 from model.native.build import NativeUnavailable
 from model.native.ops import native_int4_matmul
-from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, Int8GroupLinear, quantized_linear
+from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, quantized_linear
 from model.timing import best_ms
 from model.tuning import config_key, remembered
 
@@ -52,7 +52,7 @@ class WeightFormat:
         if self.wide is not None:
             return 6  # between its two formats: more compact than `wide` alone
         if self.quantization is not None:
-            return {"int8": 8, "int8g": 8, "int4": 4, "w4a8": 4}[self.quantization]
+            return {"int8": 8, "int8g": 8, "int5": 5, "int4": 4, "w4a8": 4}[self.quantization]
         return torch.finfo(self.dtype).bits
 
     def describe(self) -> str:
@@ -266,60 +266,3 @@ def resolve_weight_format(
 
     with torch.inference_mode():
         return choose_weight_format(candidates, timer)
-
-
-def choose_head_int8(
-    config: ModelConfig, fmt: WeightFormat, quantized: bool, device: torch.device
-) -> bool:
-    """Whether the output projection runs in grouped int8 (model/quantized_linear.py): only
-    where the checkpoint stores it quantised in 8 bits or fewer (`quantized`: GGUF Q8_0,
-    exact in int8, or Q6_K and narrower, within a sixteenth of their step; a float head is
-    never quantised), beside quantised bf16 layers on the CPU, and where it times faster
-    than the bf16 one. Its fp32 sums then replace the bf16 projection's bf16 rounding of
-    each logit."""
-    if not head_int8_applies(config, fmt, quantized, device):
-        return False
-    try:
-        with torch.inference_mode():
-            int8_ms, bf16_ms = remembered(
-                "output_projection_ms",
-                {"config": config_key(config)},
-                lambda: _head_ms(config),
-                decode=tuple,
-            )
-    except NativeUnavailable as exc:
-        logger.warning("output projection stays bf16: %s", exc)
-        return False
-    logger.info(
-        "output projection: %s (geometric mean over batch %s: int8 %.2f ms, bf16 %.2f ms)",
-        "int8" if int8_ms < bf16_ms else "bf16",
-        "/".join(str(b) for b in MEASURED_BATCH_SIZES),
-        int8_ms,
-        bf16_ms,
-    )
-    return int8_ms < bf16_ms
-
-
-def head_int8_applies(
-    config: ModelConfig, fmt: WeightFormat, quantized: bool, device: torch.device
-) -> bool:
-    """Where grouped int8 may hold the output projection at all (see choose_head_int8)."""
-    if not quantized or fmt.quantization is None or fmt.dtype != torch.bfloat16:
-        return False
-    return device.type == "cpu" and config.dim % INT4_GROUP == 0 and config.vocab_size % 16 == 0
-
-
-def _head_ms(config: ModelConfig) -> tuple[float, float]:
-    """Both formats on an eighth of the vocabulary, scaled (as in `layer_step_ms`)."""
-    rows = max(16, config.vocab_size // 8 // 16 * 16)
-    weight = torch.randn(rows, config.dim) * 0.02
-    head = Int8GroupLinear(config.dim, rows, "cpu")
-    head.load_rows(0, weight)
-    weight = weight.bfloat16()
-    log_int8 = log_bf16 = 0.0
-    for batch in MEASURED_BATCH_SIZES:
-        x = torch.randn(batch, config.dim).bfloat16()
-        log_int8 += math.log(best_ms(partial(head, x)))
-        log_bf16 += math.log(best_ms(partial(F.linear, x, weight)))
-    scale, n = config.vocab_size / rows, len(MEASURED_BATCH_SIZES)
-    return math.exp(log_int8 / n) * scale, math.exp(log_bf16 / n) * scale

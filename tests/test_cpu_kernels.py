@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import model.head_format as head_format
 import model.int4_kernel as int4_kernel
 import model.weight_format as weight_format
 from model import cpu_kernels
@@ -77,7 +78,7 @@ def test_native_times_no_kernel_choice(monkeypatch) -> None:
         raise AssertionError("timed")
 
     monkeypatch.setattr(int4_kernel, "_time_kernels", timed)
-    monkeypatch.setattr(weight_format, "_head_ms", timed)
+    monkeypatch.setattr(head_format, "_head_ms", timed)
     loaded = load_model(quantization="w4a8", dtype="bfloat16", progress=False, cpu_kernels="native")
     assert c_parts(loaded.model)["int4"] == {"native_a8"}
     with pytest.raises(AssertionError, match="timed"):

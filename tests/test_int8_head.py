@@ -11,15 +11,16 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-import model.weight_format as weight_format
+import model.head_format as head_format
 from model.batch import Batch
 from model.config import ModelConfig
+from model.head_format import choose_head_int8
 from model.llama import Llama
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt8Matmul
 from model.paged_cache import PagedKVCache
 from model.quantized_linear import Int8GroupLinear
-from model.weight_format import WeightFormat, choose_head_int8
+from model.weight_format import WeightFormat
 from model.weights.default_model import default_model_path
 from model.weights.gguf import output_quantized
 from model.weights.gguf_file import open_gguf
@@ -121,16 +122,16 @@ def test_chosen_only_where_the_file_quantises_it_and_faster(monkeypatch) -> None
     config = ModelConfig(
         dim=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=128, vocab_size=512
     )
-    monkeypatch.setattr(weight_format, "_head_ms", lambda _: (1.0, 2.0))
+    monkeypatch.setattr(head_format, "_head_ms", lambda _: (1.0, 2.0))
     assert choose_head_int8(config, INT4, True, CPU)
     assert not choose_head_int8(config, INT4, False, CPU)  # a float head stays in floats
     assert not choose_head_int8(config, WeightFormat(torch.bfloat16), True, CPU)
     assert not choose_head_int8(config, WeightFormat(torch.float32, "int4"), True, CPU)
-    monkeypatch.setattr(weight_format, "_head_ms", lambda _: (2.0, 1.0))
+    monkeypatch.setattr(head_format, "_head_ms", lambda _: (2.0, 1.0))
     assert not choose_head_int8(config, INT4, True, CPU)
 
     def unavailable(_) -> None:
         raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
 
-    monkeypatch.setattr(weight_format, "_head_ms", unavailable)
+    monkeypatch.setattr(head_format, "_head_ms", unavailable)
     assert not choose_head_int8(config, INT4, True, CPU)

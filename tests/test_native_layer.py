@@ -142,11 +142,11 @@ def test_a_decode_step_in_one_call_equals_the_two_call_layer(tiny_dir) -> None:
     assert torch.equal(cache_one.k, cache_two.k) and torch.equal(cache_one.v, cache_two.v)
 
 
-@pytest.mark.parametrize("quantization", ["int4", "int8g"])
+@pytest.mark.parametrize("quantization", ["int4", "int8g", "int5"])
 @pytest.mark.parametrize("family", ["qwen2", "qwen3", "gemma3"])
 def test_each_family_runs_on_the_c_layer(family, quantization, tmp_path, monkeypatch) -> None:
     # Qwen2's Q/K/V bias, the per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms
-    # after attention and the MLP and its GELU-tanh gate, on int4 and grouped int8 weights.
+    # after attention and the MLP and its GELU-tanh gate, on int4, grouped int8 and int5 weights.
     monkeypatch.setattr(cpu_kernels, "choose_int4_kernel", lambda *_: "native")
     make_tiny(family, tmp_path)
     model = load(tmp_path, quantization=quantization)

@@ -2,6 +2,8 @@
 choice with the measurement stubbed, the candidates each flag allows, and every format's
 logits against the fp32 model on the same weights (tolerances stated per format)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType
@@ -10,6 +12,7 @@ from model import weight_format
 from model.batch import Batch
 from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
+from model.int5_linear import Int5Linear
 from model.llama import Llama
 from model.loader import load_model
 from model.native.build import cpu_flags
@@ -182,33 +185,57 @@ def test_every_format_tracks_its_fp32_twin(tiny_dir, dtype, quantization) -> Non
     assert (ours - reference).abs().max().item() < FORMATS[(dtype, quantization)]
 
 
-def test_a_mixed_gguf_runs_its_4_bit_layers_in_int4_and_the_rest_in_int8g(
-    tmp_path, monkeypatch
-) -> None:
-    """As a Q4_K_M file does, some V and down projections stored wider than the rest."""
+def write_mixed_gguf(tmp_path: Path) -> Path:
+    """As a Q4_K_M file does, some layers stored wider than the rest: layer 0's V in Q8_0,
+    layer 1's down projection and all of layer 1's MLP in Q5_0."""
     hf_dir = tmp_path / "hf"
     hf = make_tiny_llama(hf_dir, "gqa")
     write_tiny_tokenizer(hf_dir)
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     types = {f"blk.{i}.{n}.weight": GGMLQuantizationType.Q4_1 for i in (0, 1) for n in names}
     types["blk.0.attn_v.weight"] = GGMLQuantizationType.Q8_0
-    types["blk.1.ffn_down.weight"] = GGMLQuantizationType.Q5_0
-    path = write_gguf(hf, "llama", hf_dir, tmp_path / "mixed.gguf", types=types)
+    for name in ("ffn_gate", "ffn_up", "ffn_down"):
+        types[f"blk.1.{name}.weight"] = GGMLQuantizationType.Q5_0
+    return write_gguf(hf, "llama", hf_dir, tmp_path / "mixed.gguf", types=types)
+
+
+def layer_kinds(model: Llama) -> list[list[type]]:
+    projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+    return [[type(getattr(layer, p)) for p in projections] for layer in model.layers]
+
+
+@pytest.mark.parametrize("int5_ms", [1.0, 2.0])
+def test_a_mixed_gguf_runs_q5_0_layers_in_int5_where_it_times_no_slower(
+    tmp_path, monkeypatch, int5_ms
+) -> None:
+    path = write_mixed_gguf(tmp_path)
+    timings = {None: 9.0, "int5": int5_ms}
+    monkeypatch.setattr(
+        weight_format, "layer_step_ms", lambda c, fmt, d: timings.get(fmt.quantization, 1.0)
+    )
+    mixed = load_model(path, dtype="auto", quantization="auto", progress=False).model
+    q5 = Int5Linear if int5_ms == 1.0 else Int8GroupLinear  # 2.0: past NEAR_TIE of 1.0
+    assert layer_kinds(mixed) == [
+        [Int8GroupLinear, Int4Linear, Int4Linear, Int4Linear],
+        [Int4Linear, Int4Linear, q5, q5],
+    ]
+
+
+def test_a_mixed_gguf_runs_its_4_bit_layers_in_int4_and_the_rest_in_int8g(
+    tmp_path, monkeypatch
+) -> None:
+    path = write_mixed_gguf(tmp_path)
     # A machine where int4 is the fastest: the choice itself is timing's (tests above).
     monkeypatch.setattr(
         weight_format, "layer_step_ms", lambda c, fmt, d: 1.0 if fmt.quantization else 9.0
     )
     mixed = load_model(path, dtype="auto", quantization="auto", progress=False).model
-    kinds = [
-        [type(getattr(layer, p)) for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]
-        for layer in mixed.layers
-    ]
-    assert kinds == [
+    assert layer_kinds(mixed) == [
         [Int8GroupLinear, Int4Linear, Int4Linear, Int4Linear],
-        [Int4Linear, Int4Linear, Int4Linear, Int8GroupLinear],
+        [Int4Linear, Int4Linear, Int5Linear, Int5Linear],
     ]
-    # int4 holds Q4_1 and grouped int8 Q8_0 exactly, Q5_0 within a sixteenth of its step:
-    # what is left is bf16 activations, as for bf16 + int8g on float weights.
+    # int4 holds Q4_1, grouped int8 Q8_0 and int5 Q5_0 exactly: what is left is bf16
+    # activations, as for bf16 + int8g on float weights.
     exact = load_model(path, dtype="float32", quantization="none", progress=False).model
     ids = list(range(3, 60, 2))
 

@@ -28,6 +28,8 @@ class Checkpoint(ABC):
     checkpoint_bits: int | None = None
     # Linear layers ('layers.3.down_proj') stored in more than 4 bits beside 4-bit ones.
     wide_linears: frozenset[str] = frozenset()
+    # Linear layers whose every matrix is GGUF Q5_0 (int5 holds them in their own format).
+    q5_0_linears: frozenset[str] = frozenset()
     # The output projection is stored in a block type of at most 8 bits (grouped int8 holds it).
     head_quantized: bool = False
 

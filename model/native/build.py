@@ -1,5 +1,5 @@
 """Builds the C kernels beside this file (paged attention, RMSNorm, int4 matmuls with bf16
-or int8 activations, the int8 matmul, the decoder layer around attention, greedy argmax)
+or int8 activations, the 5-bit and int8 matmuls, the decoder layer around attention, greedy argmax)
 into one shared library for this machine, once, and loads it with ctypes.
 
 C rather than a PyTorch extension: plain C with no PyTorch headers compiles in about a
@@ -37,6 +37,7 @@ SOURCES = (
     "rms_norm.c",
     "int4_matmul.c",
     "int4_matmul_a8.c",
+    "int5_matmul.c",
     "int8_matmul.c",
     "decoder_layer.c",
     "argmax.c",

@@ -120,6 +120,31 @@ def native_int4_matmul(kernel: str) -> NativeInt4Matmul | NativeInt4A8Matmul:
     return NativeInt4A8Matmul() if kernel == "native_a8" else NativeInt4Matmul()
 
 
+class NativeInt5Matmul(_TiledMatmul):
+    """Weight-only 5-bit matmul in C (int5_matmul.c): symmetric groups of 32 with fp32
+    scales, GGUF's Q5_0 exactly; bf16 output."""
+
+    symbol, out_dtype = "int5_matmul", torch.bfloat16
+
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        library = library or load_library()
+        super().__init__(library)
+        self._pack = library.int5_pack
+        self._pack.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR]
+        self._pack.restype = None
+
+    def pack(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [out, in] uint8 in 0..31, contiguous; scales [out, in / 32] fp32. Returns the
+        kernel's weight bytes and scales, in the tile order int5_matmul.c describes."""
+        out_features, in_features = q.shape
+        weight = torch.empty(out_features * in_features * 5 // 8, dtype=torch.uint8)
+        tiled_scales = torch.empty(out_features * (in_features // 32), dtype=torch.float32)
+        scales = scales.contiguous()
+        pointers = (q.data_ptr(), scales.data_ptr(), weight.data_ptr(), tiled_scales.data_ptr())
+        self._pack(*pointers[:2], out_features, in_features, *pointers[2:])
+        return weight, tiled_scales
+
+
 class NativeInt8Matmul(_TiledMatmul):
     """Weight-only int8 matmul in C (int8_matmul.c), in groups of 32 with fp32 scales and
     fp32 output: the output projection."""

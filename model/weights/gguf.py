@@ -161,17 +161,32 @@ _FUSED_INTO = {
 }  # fmt: skip
 
 
+def _linear_types(gguf: GGUFFile) -> dict[str, set[str]]:
+    """The block types each of our linear layers ('layers.3.qkv_proj') loads."""
+    types: dict[str, set[str]] = {}
+    for t in gguf.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        if m and m.group(2) in _FUSED_INTO and m.group(3) == "weight":
+            key = f"layers.{m.group(1)}.{_FUSED_INTO[m.group(2)]}"
+            types.setdefault(key, set()).add(t.tensor_type.name)
+    return types
+
+
 def wide_linears(gguf: GGUFFile, bits: int = 4) -> frozenset[str]:
     """Our linear layers ('layers.3.down_proj') that load a matrix stored in more than
     `bits` bits: a Q4_K_M file keeps some V and down projections in Q6_K, which int4
     would round, while the rest of its layers fit int4 exactly."""
-    wide = set()
-    for t in gguf.tensors:
-        m = _LAYER_RE.fullmatch(t.name)
-        if m and m.group(2) in _FUSED_INTO and m.group(3) == "weight":
-            if _TYPE_BITS.get(t.tensor_type.name, 16) > bits:
-                wide.add(f"layers.{m.group(1)}.{_FUSED_INTO[m.group(2)]}")
-    return frozenset(wide)
+    return frozenset(
+        key
+        for key, types in _linear_types(gguf).items()
+        if any(_TYPE_BITS.get(name, 16) > bits for name in types)
+    )
+
+
+def q5_0_linears(gguf: GGUFFile) -> frozenset[str]:
+    """Our linear layers whose every matrix is stored in Q5_0, which int5 holds exactly
+    (model/int5_linear.py)."""
+    return frozenset(key for key, types in _linear_types(gguf).items() if types == {"Q5_0"})
 
 
 def output_quantized(gguf: GGUFFile) -> bool:
