@@ -38,14 +38,21 @@ static inline __attribute__((always_inline)) void tile_block(
     int64_t tile_bytes, const float *scales, int64_t tile_scales, uint16_t *y,
     int64_t y_stride, const int rows, const int tiles) {
     (void)xf;
-    /* bf16 of q - 16 for q = 0..31: vpermw reads five index bits. */
-    static const uint16_t table_values[32] = {
+    /* bf16 of q - 16 for the low four bits of q, without the fifth bit (q - 16 = -16..-1)
+     * and with it (0..15), each twice: vpermw reads five index bits, and the fifth is the
+     * high nibble's lowest, ignored. Lanes whose fifth bit is set take the second table. */
+    static const uint16_t without_values[32] = {
         0xC180, 0xC170, 0xC160, 0xC150, 0xC140, 0xC130, 0xC120, 0xC110,
         0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+        0xC180, 0xC170, 0xC160, 0xC150, 0xC140, 0xC130, 0xC120, 0xC110,
+        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};
+    static const uint16_t with_values[32] = {
+        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
+        0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
         0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
         0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-    const __m512i table = _mm512_loadu_si512(table_values);
-    const __m512i nibble = _mm512_set1_epi16(15), sixteen = _mm512_set1_epi16(16);
+    const __m512i without = _mm512_loadu_si512(without_values);
+    const __m512i with = _mm512_loadu_si512(with_values);
     __m512 total[ROW_BLOCK][2];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < tiles; j++) total[m][j] = _mm512_setzero_ps();
@@ -61,12 +68,11 @@ static inline __attribute__((always_inline)) void tile_block(
                     _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * s)));
                 uint32_t fifth[2];
                 memcpy(fifth, wg + HIGH_BITS + 8 * s, 8);
-                const __m512i low = _mm512_and_si512(bytes, nibble);
                 const __m512i high = _mm512_srli_epi16(bytes, 4);
-                lo[j] = as_bh(_mm512_permutexvar_epi16(
-                    _mm512_mask_add_epi16(low, (__mmask32)fifth[0], low, sixteen), table));
-                hi[j] = as_bh(_mm512_permutexvar_epi16(
-                    _mm512_mask_add_epi16(high, (__mmask32)fifth[1], high, sixteen), table));
+                lo[j] = as_bh(_mm512_mask_permutexvar_epi16(
+                    _mm512_permutexvar_epi16(bytes, without), (__mmask32)fifth[0], bytes, with));
+                hi[j] = as_bh(_mm512_mask_permutexvar_epi16(
+                    _mm512_permutexvar_epi16(high, without), (__mmask32)fifth[1], high, with));
             }
             const int64_t k = g * GROUP + 4 * s;
             for (int m = 0; m < rows; m++) {
