@@ -29,12 +29,15 @@ def layer_quantizations(
     device: torch.device,
     wide: frozenset[str],
     q5_0: frozenset[str],
+    chosen: bool = True,
 ) -> dict[str, str]:
     """The layers ('layers.3.down_proj') whose quantization is not `fmt.quantization`,
-    with their own; `wide`: those stored in more than 4 bits, `q5_0`: those all Q5_0."""
+    with their own; `wide`: those stored in more than 4 bits, `q5_0`: those all Q5_0;
+    `chosen`: the format was `auto`'s choice (a quantization asked for by name is kept)."""
     own = dict.fromkeys(wide, fmt.wide) if fmt.wide else {}
     q5 = [key for key in q5_0 if own.get(key, fmt.quantization) == INT8G.quantization]
-    if q5 and device.type == "cpu" and cpu_kernels.allows_native() and int4_fits(config):
+    native = device.type == "cpu" and cpu_kernels.allows_native()
+    if q5 and chosen and native and int4_fits(config):
         if int5_pays(config, device):
             own.update(dict.fromkeys(q5, INT5.quantization))
     return own

@@ -105,7 +105,7 @@ def load_model(
     if tp is not None and not presharded:
         weights = tp.shard_weights(weights, config)
     own_formats = layer_quantizations(
-        fmt, config, torch.device(device), wide, checkpoint.q5_0_linears
+        fmt, config, torch.device(device), wide, checkpoint.q5_0_linears, quantization == "auto"
     )
     model = Llama.empty(
         config,

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from model import cpu_kernels
+from model.token_bitmask import apply_token_bitmask, stack_bitmasks
 
 # A row whose temperature is exactly this is greedy: SamplingParams (scheduler/request.py)
 # maps every temperature too small to divide by to it.
@@ -138,7 +139,7 @@ class SamplingMetadata:
             seen_mask=seen_mask,
             logit_bias=bias,
             suppress=_flat_index(suppress_ids, device) if any(suppress_ids) else None,
-            token_bitmask=_stack_bitmasks(token_bitmasks or [], device),
+            token_bitmask=stack_bitmasks(token_bitmasks or [], device),
             generators=generators,
             num_logprobs=num_logprobs,
             all_greedy=not sampling,
@@ -204,28 +205,6 @@ class Sampler:
         if meta.presence_penalty is not None:
             logits -= meta.presence_penalty[:, None] * (meta.output_counts > 0)
         return logits
-
-
-def _stack_bitmasks(
-    per_row: list[np.ndarray | None], device: torch.device | str
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    rows = [i for i, mask in enumerate(per_row) if mask is not None]
-    if not rows:
-        return None
-    bitmask = torch.from_numpy(np.stack([per_row[i] for i in rows])).to(device)
-    return torch.tensor(rows, dtype=torch.int64, device=device), bitmask
-
-
-def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: in each of `rows`, every token whose bit is clear in its bitmask row
-    (llguidance's layout: bit t % 32 of int32 word t // 32) becomes -inf. Token ids past
-    the bitmask are not allowed either. One unpack for all rows, no loop over them."""
-    vocab_size = logits.shape[-1]
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).bool().flatten(1)
-    if allowed.shape[1] < vocab_size:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab_size - allowed.shape[1]))
-    logits[rows] = logits[rows].masked_fill(~allowed[:, :vocab_size], float("-inf"))
 
 
 def token_logprobs(

@@ -369,7 +369,7 @@ def test_token_bitmask_confines_only_its_rows(device):
 
 
 def test_apply_token_bitmask_masks_ids_past_the_bitmask():
-    from model.sampler import apply_token_bitmask
+    from model.token_bitmask import apply_token_bitmask
 
     logits = torch.zeros(1, 70)
     apply_token_bitmask(logits, torch.tensor([0]), torch.from_numpy(pack_bitmask([[1, 33]], 64)))

@@ -219,6 +219,9 @@ def test_a_mixed_gguf_runs_q5_0_layers_in_int5_where_it_times_no_slower(
         [Int8GroupLinear, Int4Linear, Int4Linear, Int4Linear],
         [Int4Linear, Int4Linear, q5, q5],
     ]
+    # A quantization asked for by name is what runs.
+    asked = load_model(path, dtype="bfloat16", quantization="int8g", progress=False).model
+    assert {kind for kinds in layer_kinds(asked) for kind in kinds} == {Int8GroupLinear}
 
 
 def test_a_mixed_gguf_runs_its_4_bit_layers_in_int4_and_the_rest_in_int8g(

@@ -20,13 +20,8 @@ import torch
 
 from scheduler.config import EngineConfig
 from scheduler.speculation import SpeculativeConfig, SpeculativeConfigError
-from server.startup.flags import (
-    UsageError,
-    add_model_flags,
-    add_parallel_flags,
-    add_serve_flags,
-    model_settings,
-)
+from server.startup.flags import UsageError, add_model_flags, add_serve_flags, model_settings
+from server.startup.parallel_flags import add_parallel_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
