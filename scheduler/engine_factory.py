@@ -51,6 +51,8 @@ def create_engine(
         ),
         kv,
     )
+    if runner.drafter is not None:
+        runner.drafter.grammars = scheduler.structured
     return Engine(runner, scheduler, tokenizer)
 
 

@@ -24,11 +24,10 @@ from collections import deque
 from scheduler.config import QueueFull, SchedulerConfig
 from scheduler.kv_cache import KVCacheManager
 from scheduler.request import Request, RequestStatus, resolve_max_tokens
-from scheduler.speculation import Speculator
+from scheduler.speculation import DRAFT_SLOT, Speculator
 from scheduler.step_data import (
     ModelRunnerOutput,
     SampledToken,
-    ScheduledRequest,
     SchedulerOutput,
     SequenceUpdate,
     scheduled_request,
@@ -148,7 +147,7 @@ class Scheduler:
             # Guesses only while every running sequence could still grow by a block.
             roomy = speculating and self.kv.num_free_blocks > len(self.running)
             drafts = spec.drafts(req, budget - 1) if roomy and num_new == 1 else []
-            if drafts and req.request_id in self.structured:
+            if drafts and drafts[0] != DRAFT_SLOT and req.request_id in self.structured:
                 drafts = self.structured.allowed_guesses(req.request_id, drafts)
             while not self.kv.allocate_slots(
                 req.request_id, req.all_token_ids, req.num_computed_tokens, num_new + len(drafts)
@@ -204,24 +203,11 @@ class Scheduler:
             scheduled_request(req, num_new, drafts, self.kv.block_table(req.request_id))
             for req, num_new, drafts in plan
         ]
-        self._fill_bitmasks(scheduled)
+        self.structured.fill_rows(scheduled)
         return SchedulerOutput(
             scheduled=scheduled,
             preempted_ids=[req.request_id for req in preempted],
         )
-
-    def _fill_bitmasks(self, scheduled: list[ScheduledRequest]) -> None:
-        """One batched mask computation for the constrained sequences that sample this
-        step, a row per position sampled; the others get no rows and cost nothing."""
-        rows = [s for s in scheduled if s.sample and s.request_id in self.structured]
-        if not rows:
-            return
-        guesses = [s.draft_token_ids for s in rows]
-        bitmask = self.structured.fill_bitmask([s.request_id for s in rows], guesses)
-        first = 0
-        for row in rows:
-            row.token_bitmask = bitmask[first : first + 1 + len(row.draft_token_ids)]
-            first += 1 + len(row.draft_token_ids)
 
     def update_from_output(
         self, out: SchedulerOutput, result: ModelRunnerOutput

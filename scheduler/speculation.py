@@ -216,9 +216,9 @@ def draft_tokens(
     if limit < 1:
         return []
     if config.method == "draft_model":
-        # A grammar masks each guess's row by the guesses before it, which the scheduler
-        # must know: a draft model's come too late.
-        return [DRAFT_SLOT] * limit if req.params.grammar is None else []
+        # Slots the runner's draft fills; a constrained sequence's guesses are cut and
+        # masked there (StructuredOutputManager.constrain_guesses).
+        return [DRAFT_SLOT] * limit
     return propose_ngram(
         req.all_token_ids, config.prompt_lookup_min, config.prompt_lookup_max, limit
     )

@@ -13,7 +13,7 @@ the runner applies the bitmask this module fills.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import llguidance
 import numpy as np
@@ -21,6 +21,9 @@ from llguidance.numpy import (
     fill_next_token_bitmask_par,
     fill_next_token_bitmask_par_with_draft_tokens,
 )
+
+from scheduler.speculation import DRAFT_SLOT
+from scheduler.step_data import ScheduledRequest
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +95,57 @@ class StructuredOutputManager:
         if guessing:  # llguidance refuses an empty list of guesses here
             fill_next_token_bitmask_par_with_draft_tokens(self._executor, guessing, bitmask)
         return bitmask
+
+    def fill_rows(self, scheduled: list[ScheduledRequest]) -> None:
+        """One batched mask computation for the constrained sequences that sample this
+        step, a row per position sampled (`token_bitmask`); the others get no rows and
+        cost nothing. Sequences whose guesses a draft model has yet to make (their slots)
+        wait for `constrain_guesses`."""
+        rows = [
+            s
+            for s in scheduled
+            if s.sample and s.request_id in self and DRAFT_SLOT not in s.draft_token_ids
+        ]
+        if not rows:
+            return
+        guesses = [s.draft_token_ids for s in rows]
+        bitmask = self.fill_bitmask([s.request_id for s in rows], guesses)
+        first = 0
+        for row in rows:
+            row.token_bitmask = bitmask[first : first + 1 + len(row.draft_token_ids)]
+            first += 1 + len(row.draft_token_ids)
+
+    def constrain_guesses(self, scheduled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+        """A draft model's guesses, made in the runner after the schedule, for the
+        constrained sequences: each cut before the first its grammar refuses (the target
+        could not take it), then their rows masked as `fill_rows` masks n-gram guesses.
+        The slots of guesses cut are freed as rejected ones are."""
+        constrained = [
+            i
+            for i, s in enumerate(scheduled)
+            if s.draft_token_ids and s.token_bitmask is None and s.request_id in self
+        ]
+        if not constrained:
+            return scheduled
+        out = list(scheduled)
+        for i in constrained:
+            s = scheduled[i]
+            allowed = self.allowed_guesses(s.request_id, s.draft_token_ids)
+            fed = s.new_token_ids[: len(s.new_token_ids) - len(s.draft_token_ids)]
+            out[i] = replace(s, new_token_ids=fed + allowed, draft_token_ids=allowed)
+        self.fill_rows([out[i] for i in constrained])
+        return out
+
+    def next_allowed(self, request_id: str, guesses: list[int]) -> np.ndarray | None:
+        """The bitmask row [1, words] of the tokens allowed after `guesses`, for a draft
+        model picking a constrained sequence's next guess; None for a sequence without a
+        grammar. Where a guess before was refused, nothing is allowed (the guesses are cut
+        there anyway)."""
+        if request_id not in self:
+            return None
+        if len(self.allowed_guesses(request_id, guesses)) < len(guesses):
+            return np.zeros((1, self._grammars[request_id].bitmask_width), dtype=np.int32)
+        return self.fill_bitmask([request_id], [guesses])[-1:]
 
     def allowed_guesses(self, request_id: str, tokens: list[int]) -> list[int]:
         """The leading guesses the grammar allows: verifying any after the first it refuses

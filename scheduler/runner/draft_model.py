@@ -20,13 +20,16 @@ import time
 from collections.abc import Iterable
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from model.batch import Batch
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
 from model.sampler import greedy_ids
+from model.token_bitmask import apply_token_bitmask
 from scheduler.step_data import ScheduledRequest
+from scheduler.structured_output import StructuredOutputManager
 
 
 class DraftModel:
@@ -43,6 +46,10 @@ class DraftModel:
         # Seconds of each one-token step after the first forward in the last propose(), the
         # price of one more guess (scheduler/spec_costs.py); None where it took none.
         self.step_s: float | None = None
+        # The scheduler's grammars: a constrained sequence's guesses are picked among the
+        # tokens its grammar allows after the guesses before them, and its verified rows
+        # masked, as n-gram guesses are.
+        self.grammars: StructuredOutputManager | None = None
 
     def propose(self, scheduled: list[ScheduledRequest], vocab: int) -> list[ScheduledRequest]:
         """The step's sequences, each speculating one with its reserved guess slots
@@ -68,10 +75,10 @@ class DraftModel:
             starts.append(behind)
             self._done[s.request_id] = behind + len(fed)
         logits = self._forward(tokens, starts, [s.block_table for s in scheduled])
-        guesses = {
-            i: [token]
-            for i, token in zip(guessing, self._choose(logits, guessing, vocab), strict=True)
-        }
+        guesses: dict[int, list[int]] = {i: [] for i in guessing}
+        chosen = self._choose(logits, guessing, vocab, scheduled, guesses)
+        for i, token in zip(guessing, chosen, strict=True):
+            guesses[i].append(token)
         longest = max(len(scheduled[i].draft_token_ids) for i in guessing)
         started = time.monotonic()
         for ahead in range(1, longest):
@@ -81,7 +88,8 @@ class DraftModel:
                 [scheduled[i].num_computed_tokens + ahead for i in going],
                 [scheduled[i].block_table for i in going],
             )
-            for i, token in zip(going, self._choose(logits, range(len(going)), vocab), strict=True):
+            chosen = self._choose(logits, range(len(going)), vocab, scheduled, guesses, going)
+            for i, token in zip(going, chosen, strict=True):
                 guesses[i].append(token)
 
         if longest > 1:
@@ -94,7 +102,7 @@ class DraftModel:
             self._done[s.request_id] += len(guess) - 1
             fed = s.new_token_ids[: len(s.new_token_ids) - len(guess)]
             filled[i] = replace(s, new_token_ids=fed + guess, draft_token_ids=guess)
-        return filled
+        return self.grammars.constrain_guesses(filled) if self.grammars is not None else filled
 
     def _forward(
         self, tokens: list[list[int]], starts: list[int], tables: list[list[int]]
@@ -109,6 +117,29 @@ class DraftModel:
         )
         return self.model(batch, self.kv_cache)
 
-    @staticmethod
-    def _choose(logits: torch.Tensor, rows: Iterable[int], vocab: int) -> list[int]:
-        return greedy_ids(logits[list(rows), :vocab]).tolist()
+    def _choose(
+        self,
+        logits: torch.Tensor,
+        rows: Iterable[int],
+        vocab: int,
+        scheduled: list[ScheduledRequest],
+        guesses: dict[int, list[int]],
+        owners: list[int] | None = None,
+    ) -> list[int]:
+        """The draft's greedy pick in each of `rows` (of sequences `owners`, by default
+        the rows' own indices), a constrained sequence's among what its grammar allows
+        after its guesses so far."""
+        rows = list(rows)
+        owners = owners if owners is not None else rows
+        picked = logits[rows, :vocab]
+        if self.grammars is not None:
+            masks = [
+                (j, self.grammars.next_allowed(scheduled[i].request_id, guesses[i]))
+                for j, i in enumerate(owners)
+            ]
+            masks = [(j, mask) for j, mask in masks if mask is not None]
+            if masks:
+                at = torch.tensor([j for j, _ in masks], device=picked.device)
+                bitmask = torch.from_numpy(np.concatenate([m for _, m in masks])).to(picked.device)
+                apply_token_bitmask(picked, at, bitmask)
+        return greedy_ids(picked).tolist()
