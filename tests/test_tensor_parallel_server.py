@@ -149,6 +149,22 @@ def test_tp2_over_two_nodes_serves_what_one_process_computes_alone(tiny, tmp_pat
     assert "each holds 1 KV head(s) and 8 KV blocks" in (tmp_path / "node0.log").read_text()
 
 
+def test_tp2_with_a_draft_model_serves_what_one_process_computes_alone(tiny, tmp_path) -> None:
+    """The draft runs whole on rank 0 (the tiny model as its own draft: every guess is the
+    target's choice); the two ranks verify its guesses in the sharded forward."""
+    expected = alone(load_model(tiny, progress=False), TEXTS, 24)
+    spec = json.dumps({"model": str(tiny), "num_speculative_tokens": 3})
+    flags = ["-tp", "2", "--speculative-config", spec, "--max-num-batched-tokens", "16"]
+    with server(serve_command(str(tiny), free_port(), *flags), tmp_path / "draft.log") as (_, base):
+        got = complete_all(base, TEXTS, 24)
+        metrics = httpx.get(f"{base}/metrics").text
+    assert got == expected
+    accepted = re.search(
+        r"^llamaserve:spec_decode_num_accepted_tokens_total\S* (\S+)", metrics, re.M
+    )
+    assert accepted and float(accepted.group(1)) > 0
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(
     os.environ.get("LLAMASERVE_TP_DEFAULT_MODEL") != "1",

@@ -76,8 +76,8 @@ def load_draft(config: ServeConfig, target: LoadedModel) -> LoadedModel | None:
     spec = config.engine.speculative
     if spec is None or spec.model is None:
         return None
-    if config.parallel.resolved().tensor_parallel_size > 1:
-        raise SpeculativeConfigError("--speculative-config: a draft model does not run with -tp")
+    # Under -tp the draft is whole, on rank 0 alone, which runs the engine: it computes no
+    # collective, and the ranks verify its guesses in the target's sharded forward.
     try:
         draft = load_model(
             spec.model,
