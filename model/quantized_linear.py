@@ -25,7 +25,7 @@ from model.int4_kernel import BF16_ACTIVATION_KERNELS, INT4_KERNELS, NATIVE_INT4
 from model.native.ops import NativeInt4Matmul, NativeInt8Matmul, native_int4_matmul
 
 INT4_GROUP = 32
-STAGE_ROWS = 1024
+STAGE_ROWS = 256
 QUANTIZATIONS = ("int8", "int8g", "int4", "w4a8")
 # Formats the loader gives single layers, never a whole model (no flag asks for them).
 LAYER_ONLY_QUANTIZATIONS = ("int5",)
