@@ -110,17 +110,9 @@ static inline __attribute__((always_inline)) void tile_block(
 
 #else
 
-/* Portable version; one row's sums are a call of their own, so that fast math cannot
- * order them differently for blocks of a different size. */
-static __attribute__((noinline)) void row_group(const float wq[GROUP][TILE], const uint16_t *xg,
-                                                const float *scale, float total[TILE]) {
-    float part[TILE] = {0};
-    for (int k = 0; k < GROUP; k++) {
-        const float xv = from_bf16(xg[k]);
-        for (int i = 0; i < TILE; i++) part[i] += xv * wq[k][i];
-    }
-    for (int i = 0; i < TILE; i++) total[i] += part[i] * scale[i];
-}
+/* Portable version: each group of the tile widened to fp32 once per block of rows, each
+ * row summed by portable_group.h's row_group. */
+#include "portable_group.h"
 
 static inline void tile_block(const uint16_t *x, int64_t x_stride, const float *xf,
                               int64_t groups, const uint8_t *w, const float *scales, float *y,
