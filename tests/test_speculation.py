@@ -196,20 +196,19 @@ def test_draft_model_keeps_greedy_output(ours_default, requests, plain, small_dr
 def test_a_draft_guesses_for_constrained_sequences(
     ours_default, requests, plain, small_draft, draft
 ):
-    """A JSON-schema request beside a free one: the draft's guesses for it are cut where
-    the grammar refuses them and its verified rows masked, so its output is the plain
-    run's (a guess verified unmasked would let the target pick what the grammar forbids)."""
+    """A JSON-schema request: the draft's guesses for it are picked among what the grammar
+    allows, cut where it refuses one, and its verified rows masked, so its output is the
+    plain run's (a guess verified unmasked would let the target pick what the grammar
+    forbids). The target as its own draft, alone: it guesses the target's own choices. A
+    random draft, beside a free request: its guesses are mostly wrong."""
     model = ours_default.model if draft == "itself" else small_draft
-    some = {rid: requests[rid] for rid in ("json", "r1")}
-    spec, _, accepted_total, _ = run_speculating(ours_default, some, draft=model)
+    ids = ("json",) if draft == "itself" else ("json", "r1")
+    some = {rid: requests[rid] for rid in ids}
+    spec, drafted, accepted_total, _ = run_speculating(ours_default, some, draft=model)
     assert_same({k: v for k, v in plain.items() if k[0] in some}, spec)
-    alone, alone_drafted, alone_accepted, _ = run_speculating(
-        ours_default, {"json": requests["json"]}, draft=model
-    )
-    assert_same({("json", 0): plain[("json", 0)]}, alone)
-    assert alone_drafted > 0  # it guessed, constrained as it is
-    if draft == "itself":  # its own greedy choices, where the grammar allows them
-        assert accepted_total > 0 and alone_accepted > 0.5 * alone_drafted
+    assert drafted > 0  # it guessed, constrained as it is
+    if draft == "itself":
+        assert accepted_total > 0.5 * drafted
 
 
 def test_a_draft_that_sat_out_crowded_steps_catches_up(ours_default, requests, plain) -> None:
