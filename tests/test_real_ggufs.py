@@ -3,7 +3,8 @@ greedy continuations in float32 for Qwen2.5-Coder-0.5B-Instruct (`qwen2`; Q4_K_M
 Q5_0, Q6_K and Q8_0 tensors, untied output) and Gemma 3 270M (`gemma3`: head_dim 256,
 windowed layers of 512 among global ones, a 262,144-token SentencePiece vocabulary), and
 for Qwen the same token ids on a varied corpus with every special token (Gemma's
-tokenizer: tests/test_spm_tokenizer.py)."""
+tokenizer: tests/test_spm_tokenizer.py); and their Q5_0 layers against the `gguf`
+package's dequantisation."""
 
 import numpy as np
 import pytest
