@@ -31,6 +31,7 @@ from model.heap import return_free_heap
 from model.layer_formats import describe, layer_quantizations
 from model.llama import Llama
 from model.parallel.plan import TensorParallel
+from model.row_invariant import make_rows_invariant
 from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import llama3_chat_format
 from model.text.tokenizer import Tokenizer
@@ -140,6 +141,8 @@ def load_model(
         torch.set_num_threads(threads)
     model.eval()
     kernel_plan.use_kernels(model, attention_backend, device)
+    if batch_invariant:
+        make_rows_invariant(model)
     return_free_heap()
     logger.info(
         "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",

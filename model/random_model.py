@@ -17,6 +17,7 @@ from model.llama import Llama
 from model.loader import LoadedModel, weight_format_for
 from model.parallel.plan import TensorParallel
 from model.presets import preset_config
+from model.row_invariant import make_rows_invariant
 from model.text.llama3_chat import llama3_chat_format
 from model.text.llama3_tokenizer import bundled_tokenizer_path, llama3_byte_tokenizer
 
@@ -61,6 +62,8 @@ def load_random_model(
         config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization, tp=tp
     )
     kernel_plan.use_kernels(model, attention_backend, device)
+    if batch_invariant:
+        make_rows_invariant(model)
     logger.info(
         "built %s with random weights: %.1fM parameters, %s on %s, %s attention, in %.1f s "
         "(tokenizer: %s)",

@@ -15,9 +15,11 @@ CPU without the kernel's AVX-512 path. That path is also faster (SDPA with the c
 mask as a tensor computed every masked product as well, 140 ms of a 512-token prefill's
 ~360 ms on the default model); the AVX2 path is on a par with SDPA (4.7 against 4.8-5.2
 ms per layer at 512 tokens); only the portable loops cost about twice SDPA's time, the
-price of that invariance there. fp32 prefills keep the reference's SDPA. A sequence's
-result does not depend on the rest of its batch (the kernel handles each query alone), so
-batch invariance holds as with the reference.
+price of that invariance there. fp32 prefills keep the reference's SDPA, faster there
+than the kernel's float32 loop (a 512-token prefill of the default model 0.81 against
+0.97 s), except under --batch-invariant (model/row_invariant.py). A sequence's result
+does not depend on the rest of its batch (the kernel handles each query alone), so batch
+invariance holds as with the reference.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class CpuPagedBackend(TorchRefBackend):
     be built."""
 
     name = "cpu_paged"
+    # --batch-invariant: float32 prefills on the kernel too, however long (model/row_invariant.py).
+    every_query_alone = False
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         self.kernels = paged_decode_kernels(library)
@@ -96,7 +100,9 @@ class CpuPagedBackend(TorchRefBackend):
         elif (
             isinstance(plan, CpuPagedPlan)
             and plan.prefill_lens is not None
-            and (queries.dtype == torch.bfloat16 or max_q <= SHORT_PREFILL)
+            and (
+                queries.dtype == torch.bfloat16 or max_q <= SHORT_PREFILL or self.every_query_alone
+            )
         ):
             # Each query of a prefill chunk as a decode of its own: the C kernel reads K
             # and V in place and skips what the causal mask would hide, where SDPA with a

@@ -98,8 +98,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--batch-invariant",
         action="store_true",
-        help="only weight formats whose greedy output does not depend on the batch a request "
-        "shares (float32 activations; int4/int8 weights allowed); slower on CPUs with bf16",
+        help="a request's tokens and logprobs do not depend on the batch it shares or where its "
+        "prompt was cut: float32 activations (int4/int8 weights allowed), each row's "
+        "products and attention computed as alone; slower",
     )
     p.add_argument(
         "--random-weights",
