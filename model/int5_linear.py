@@ -13,7 +13,7 @@ import torch
 
 from model.errors import UnsupportedFormatError
 from model.native.ops import NativeInt5Matmul
-from model.quantized_linear import INT4_GROUP, QuantizedLinear
+from model.quantized_linear import INT4_GROUP, QuantizedLinear, sorted_groups
 
 LEVELS = 16  # q - 16 spans -16..15
 ON_GRID = 1e-3  # how far from an integer a weight over its step may lie to count as on it
@@ -74,7 +74,7 @@ def _grid_step(groups: torch.Tensor) -> torch.Tensor:
     if not bool(found.all()):
         # Sorted only where needed: most of a Q5_0 tensor's groups are found above.
         rest, rest_largest = groups[~found], largest[~found]
-        ordered = rest.sort(dim=-1).values
+        ordered = sorted_groups(rest)
         gaps = ordered[..., 1:] - ordered[..., :-1]
         gap = gaps.masked_fill(gaps <= rest_largest * 1e-4, float("inf")).amin(-1, keepdim=True)
         gap = torch.where(gap.isfinite(), gap, 1.0)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from model.errors import UnsupportedFormatError
-from model.quantized_linear import INT4_GROUP, Int4Linear, Int8Linear, quantized_linear
+from model.quantized_linear import INT4_GROUP, Int4Linear, Int8Linear, _file_grid, quantized_linear
 
 SHAPES = [(576, 960), (1536, 576), (64, 96)]  # (in, out): SmolLM2's QKV and down; tiny
 
@@ -79,6 +79,27 @@ def test_groups_on_a_grid_that_leaves_its_ends_unused_requantise_without_loss() 
     x = torch.randn(4, in_features, generator=generator)
     reference = F.linear(x.bfloat16().float(), weight)
     assert relative_error(layer(x), reference) < 0.01
+
+
+@pytest.mark.parametrize(
+    "levels", [tuple(range(16)), tuple(range(3, 13)), (0, 11, 15), (0, 3, 15), (2, 6, 10)]
+)
+def test_a_group_on_a_4_bit_grid_is_found_on_it(levels) -> None:
+    """Whatever levels of 16 a group uses: all of them, its ends unused, the two ends and
+    one inside (found on its span over 15 only: its smallest gap is four steps), or
+    evenly spaced ones (found on their own coarser grid)."""
+    generator = torch.Generator().manual_seed(3)
+    picks = torch.randint(0, len(levels), (64, 2, INT4_GROUP), generator=generator)
+    picks[..., : len(levels)] = torch.arange(len(levels))  # every level present
+    q = torch.tensor(levels)[picks].float()
+    d = torch.rand(64, 2, 1, generator=generator) * 0.01 + 0.001
+    m = torch.randn(64, 2, 1, generator=generator) * 0.01
+    groups = d * q + m
+    low = groups.amin(dim=-1, keepdim=True)
+    found, step = _file_grid(groups, low)
+    assert found.all()
+    rebuilt = low + step * ((groups - low) / step).round()
+    assert (rebuilt - groups).abs().max() < 1e-6 * groups.abs().max()
 
 
 def test_rows_that_do_not_fit_are_refused() -> None:
