@@ -12,8 +12,9 @@ from __future__ import annotations
 import torch
 
 from model.errors import UnsupportedFormatError
+from model.file_grid import sorted_groups
 from model.native.ops import NativeInt5Matmul
-from model.quantized_linear import INT4_GROUP, QuantizedLinear, sorted_groups
+from model.quantized_linear import INT4_GROUP, QuantizedLinear
 
 LEVELS = 16  # q - 16 spans -16..15
 ON_GRID = 1e-3  # how far from an integer a weight over its step may lie to count as on it

@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from model.errors import UnsupportedFormatError
-from model.quantized_linear import INT4_GROUP, Int4Linear, Int8Linear, _file_grid, quantized_linear
+from model.file_grid import file_grid
+from model.quantized_linear import INT4_GROUP, Int4Linear, Int8Linear, quantized_linear
 
 SHAPES = [(576, 960), (1536, 576), (64, 96)]  # (in, out): SmolLM2's QKV and down; tiny
 
@@ -96,7 +97,7 @@ def test_a_group_on_a_4_bit_grid_is_found_on_it(levels) -> None:
     m = torch.randn(64, 2, 1, generator=generator) * 0.01
     groups = d * q + m
     low = groups.amin(dim=-1, keepdim=True)
-    found, step = _file_grid(groups, low)
+    found, step = file_grid(groups, low)
     assert found.all()
     rebuilt = low + step * ((groups - low) / step).round()
     assert (rebuilt - groups).abs().max() < 1e-6 * groups.abs().max()
