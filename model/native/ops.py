@@ -4,6 +4,7 @@ the decoder layer's (model/native/layer.py) is declared here."""
 from __future__ import annotations
 
 import ctypes
+from functools import cache
 
 import torch
 
@@ -97,15 +98,23 @@ class NativeInt4Matmul(_TiledMatmul):
     @staticmethod
     def pack(q: torch.Tensor, scales_and_zeros: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q [out, in] uint8 in 0..15; scales_and_zeros [in / 32, out, 2] bf16. Returns the
-        kernel's weight bytes and scales, in the tile order int4_matmul.c describes."""
+        kernel's weight bytes and scales, in the tile order int4_matmul.c describes (in C:
+        the same reordering by tensor ops took 2.7 of the 18 s a 1.5B model loaded in)."""
         out_features, in_features = q.shape
-        tiles, groups = out_features // 16, in_features // 32
-        # k = 32 g + 4 s + 2 h + e, column = 16 t + i; byte (t, g, s, i, e) holds h = 0
-        # in its low nibble, h = 1 in its high one.
-        v = q.reshape(tiles, 16, groups, 8, 2, 2).permute(0, 2, 3, 4, 1, 5)
-        weight = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).contiguous().reshape(-1)
-        scales = scales_and_zeros.reshape(groups, tiles, 16, 2).permute(1, 0, 3, 2)
-        return weight, scales.contiguous().reshape(-1)
+        q, scales_and_zeros = q.contiguous(), scales_and_zeros.contiguous()
+        weight = torch.empty(out_features * in_features // 2, dtype=torch.uint8)
+        tiled = torch.empty(out_features * (in_features // 32) * 2, dtype=torch.bfloat16)
+        pointers = (q.data_ptr(), scales_and_zeros.data_ptr(), weight.data_ptr(), tiled.data_ptr())
+        _int4_pack()(*pointers[:2], out_features, in_features, *pointers[2:])
+        return weight, tiled
+
+
+@cache
+def _int4_pack() -> ctypes._CFuncPtr:
+    function = load_library().int4_pack
+    function.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR]
+    function.restype = None
+    return function
 
 
 class NativeInt4A8Matmul(_TiledMatmul):
