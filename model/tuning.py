@@ -33,6 +33,7 @@ import os
 import resource
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TypeVar
@@ -55,6 +56,8 @@ RETRY_WAIT_S = 0.5
 _lock = threading.RLock()
 _retune = False
 _announced: set[Path] = set()
+# Per loaded model, what was measured on it in this process (remembered_for).
+_on_model: weakref.WeakKeyDictionary[object, dict[str, object]] = weakref.WeakKeyDictionary()
 
 
 def retune(enabled: bool = True) -> None:
@@ -81,6 +84,25 @@ def store_path() -> Path | None:
         key = hashlib.sha256(cpu_id()).hexdigest()  # no C kernels: PyTorch's alone
     tag = hashlib.sha256(f"{key} {torch.__version__}".encode()).hexdigest()[:16]
     return Path(where or cache_dir()) / f"tuning-{level}-{tag}.json"
+
+
+def remembered_for(
+    owner: object,
+    kind: str,
+    key: Mapping[str, object],
+    measure: Callable[[], T],
+    decode: Callable[[object], T] = lambda value: value,  # type: ignore[assignment,return-value]
+) -> T:
+    """As `remembered`, and kept with `owner` (a loaded model) for the rest of the process,
+    store or no store: a process that starts several engines on one model (a benchmark, the
+    tests) times it once; the key still says what the timing depends on."""
+    entry = json.dumps(
+        {"kind": kind, "threads": torch.get_num_threads(), **key}, sort_keys=True, default=str
+    )
+    known = _on_model.setdefault(owner, {})
+    if entry not in known:
+        known[entry] = remembered(kind, key, measure, decode)
+    return known[entry]  # type: ignore[return-value]
 
 
 def remembered(

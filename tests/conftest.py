@@ -8,8 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Start-up measurements are taken afresh in every test (and by every server a test starts),
-# never read from an earlier run's store: tests that time things must see them timed.
+# Start-up measurements are taken afresh in every test process (and by every server a test
+# starts), never read from an earlier run's store: tests that time things must see them
+# timed. A loaded model's own step timings are taken once per process (tuning.remembered_for).
 os.environ["LLAMASERVE_TUNING_STORE"] = "off"
 
 # Shared fixtures: the real server for API tests; the tokenizers for tokenizer tests; the C

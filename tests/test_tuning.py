@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import pytest
+import torch
 
 from model import tuning
 
@@ -30,6 +31,19 @@ def counting(value):
         return value
 
     return measure, calls
+
+
+def test_a_models_own_timing_is_taken_once_per_process_without_a_store(monkeypatch) -> None:
+    monkeypatch.setenv(tuning.STORE_ENV, "off")
+    model, other = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    measure, calls = counting(3.0)
+    assert tuning.remembered_for(model, "one_token_step_ms", {"k": 1}, measure) == 3.0
+    assert tuning.remembered_for(model, "one_token_step_ms", {"k": 1}, measure) == 3.0
+    assert len(calls) == 1
+    tuning.remembered_for(other, "one_token_step_ms", {"k": 1}, measure)  # another model
+    tuning.remembered_for(model, "one_token_step_ms", {"k": 2}, measure)  # another key
+    tuning.remembered_for(model, "prefill_ms_per_token", {"k": 1}, measure)  # another kind
+    assert len(calls) == 4
 
 
 def test_a_measurement_is_stored_and_read_back(store) -> None:

@@ -21,7 +21,7 @@ from model.batch import Batch
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
 from model.sampler import Sampler, position_seed
-from model.tuning import config_key, remembered
+from model.tuning import config_key, remembered_for
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from scheduler.runner.decode_graphs import DecodeGraphs
 from scheduler.runner.draft_model import DraftModel
@@ -129,7 +129,7 @@ class ModelRunner:
             return (time.perf_counter() - started) * 1e3 / num_tokens
 
         key = {"model": self._tuning_key(), "tokens": num_tokens}
-        return remembered("prefill_ms_per_token", key, measure)
+        return remembered_for(self.model, "prefill_ms_per_token", key, measure)
 
     def _tuning_key(self) -> dict[str, object]:
         """What a step's speed depends on beside the thread count (model/tuning.py): the
@@ -260,7 +260,8 @@ class ModelRunner:
                     timings[threads] = min(timings.get(threads, ms), ms)
             torch.set_num_threads(self.max_threads)
 
-        timings = remembered(
+        timings = remembered_for(
+            self.model,
             "one_token_step_ms",
             {"model": self._tuning_key()},
             measure,
