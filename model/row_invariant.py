@@ -25,31 +25,35 @@ from torch import nn
 PROBE_ROWS = 32
 
 
-# Per weight shape: for each count of rows below PROBE_ROWS, the count to compute them as.
-_COUNTS: dict[tuple[int, int], tuple[int, ...]] = {}
+# Per weight shape and bias or none: for each count of rows below PROBE_ROWS, the count to
+# compute them as.
+_COUNTS: dict[tuple[int, int, bool], tuple[int, ...]] = {}
 
 
-def _probe(weight: torch.Tensor) -> tuple[int, ...]:
+def _probe(weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[int, ...]:
+    """Probed as the layer computes (with a bias the product is another call)."""
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(PROBE_ROWS, weight.shape[1], generator=generator)
     with torch.no_grad():
-        reference = F.linear(x, weight)
+        reference = F.linear(x, weight, bias)
         agree = [
-            m for m in range(1, PROBE_ROWS) if torch.equal(F.linear(x[:m], weight), reference[:m])
+            m
+            for m in range(1, PROBE_ROWS)
+            if torch.equal(F.linear(x[:m], weight, bias), reference[:m])
         ]
     agree.append(PROBE_ROWS)
     return (0, *(min(a for a in agree if a >= m) for m in range(1, PROBE_ROWS)))
 
 
-def row_count(weight: torch.Tensor, rows: int) -> int:
-    """The number of rows to compute `rows` rows times `weight` as: probed once a shape
+def row_count(weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> int:
+    """The number of rows to compute `rows` rows of this product as: probed once a shape
     and process, on the first weight of that shape (the kernel, not the values, decides)."""
     if rows >= PROBE_ROWS:
         return rows
-    shape = (weight.shape[0], weight.shape[1])
-    if shape not in _COUNTS:
-        _COUNTS[shape] = _probe(weight)
-    return _COUNTS[shape][rows]
+    key = (weight.shape[0], weight.shape[1], bias is not None)
+    if key not in _COUNTS:
+        _COUNTS[key] = _probe(weight, bias)
+    return _COUNTS[key][rows]
 
 
 class RowInvariantLinear(nn.Linear):
@@ -57,7 +61,7 @@ class RowInvariantLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
-        count = row_count(self.weight, rows)
+        count = row_count(self.weight, self.bias, rows)
         if count == rows:
             return F.linear(x, self.weight, self.bias)
         flat = x.reshape(rows, x.shape[-1])
@@ -68,11 +72,9 @@ class RowInvariantLinear(nn.Linear):
     @classmethod
     def sharing(cls, linear: nn.Linear) -> RowInvariantLinear:
         """One that holds `linear`'s own parameters (a tied output projection stays tied)."""
-        module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        module.in_features, module.out_features = linear.in_features, linear.out_features
-        module.weight = linear.weight
-        module.bias = linear.bias
+        bias = linear.bias is not None
+        module = cls(linear.in_features, linear.out_features, bias=bias, device="meta")
+        module.weight, module.bias = linear.weight, linear.bias
         return module
 
 

@@ -86,6 +86,13 @@ def store_path() -> Path | None:
     return Path(where or cache_dir()) / f"tuning-{level}-{tag}.json"
 
 
+def _entry(kind: str, key: Mapping[str, object]) -> str:
+    """What a measurement is stored under: its kind, the thread count and its key."""
+    return json.dumps(
+        {"kind": kind, "threads": torch.get_num_threads(), **key}, sort_keys=True, default=str
+    )
+
+
 def remembered_for(
     owner: object,
     kind: str,
@@ -96,9 +103,7 @@ def remembered_for(
     """As `remembered`, and kept with `owner` (a loaded model) for the rest of the process,
     store or no store: a process that starts several engines on one model (a benchmark, the
     tests) times it once; the key still says what the timing depends on."""
-    entry = json.dumps(
-        {"kind": kind, "threads": torch.get_num_threads(), **key}, sort_keys=True, default=str
-    )
+    entry = _entry(kind, key)
     known = _on_model.setdefault(owner, {})
     if entry not in known:
         known[entry] = remembered(kind, key, measure, decode)
@@ -113,9 +118,7 @@ def remembered(
 ) -> T:
     """`measure()`'s result, stored under (kind, key, the thread count), or read back from
     an earlier start. `decode` turns its JSON form back into what `measure` returns."""
-    entry = json.dumps(
-        {"kind": kind, "threads": torch.get_num_threads(), **key}, sort_keys=True, default=str
-    )
+    entry = _entry(kind, key)
     path = store_path()
     if path is None:
         return measure()
