@@ -131,7 +131,8 @@ def argmax_kernel() -> NativeArgmax | None:
 
 def describe(model: torch.nn.Module, small_step_threads: int, token_budget: int) -> str:
     """The plan a loaded model runs, read off the model itself, with the runner's choices."""
-    from model.quantized_linear import Int4Linear, Int8GroupLinear  # they ask this module
+    from model.int6_linear import Int6Linear  # they ask this module
+    from model.quantized_linear import Int4Linear, Int8GroupLinear
 
     try:
         level = isa() if _mode != "torch" else "unused"
@@ -139,7 +140,10 @@ def describe(model: torch.nn.Module, small_step_threads: int, token_budget: int)
         level = f"unavailable ({exc})"
     int4 = sorted({m.kernel for m in model.modules() if isinstance(m, Int4Linear)})
     head = model.lm_head
-    head = "int8" if isinstance(head, Int8GroupLinear) else str(head.weight.dtype)
+    if isinstance(head, Int8GroupLinear | Int6Linear):
+        head = "int8" if isinstance(head, Int8GroupLinear) else "int6"
+    else:
+        head = str(head.weight.dtype)
     c_layers = sum(getattr(layer, "native", None) is not None for layer in model.layers)
     return "; ".join(
         [

@@ -21,7 +21,16 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.int4_kernel import NATIVE_INT4_KERNELS
 from model.int5_linear import Int5Linear
-from model.native.layer import INT4, INT4_A8, INT5, INT8_GROUPS, NativeDecoderLayer, NativeWeight
+from model.int6_linear import Int6Linear
+from model.native.layer import (
+    INT4,
+    INT4_A8,
+    INT5,
+    INT6,
+    INT8_GROUPS,
+    NativeDecoderLayer,
+    NativeWeight,
+)
 from model.quantized_linear import Int4Linear, Int8GroupLinear
 from model.rope import apply_rope
 
@@ -156,4 +165,6 @@ def _native_weight(proj: nn.Module) -> NativeWeight | None:
         return proj.weight_int8, proj.scales, INT8_GROUPS
     if isinstance(proj, Int5Linear):
         return proj.weight_int5, proj.scales, INT5
+    if isinstance(proj, Int6Linear) and not proj.logits:
+        return proj.weight_int6, proj.scales, INT6
     return None

@@ -17,6 +17,7 @@ from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm
+from model.int6_linear import Int6Linear
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
@@ -103,10 +104,12 @@ class Llama(nn.Module):
                     shape = (child.in_features, child.out_features)
                     setattr(owner, name, quantized_linear(own, *shape, "meta"))
 
-    def quantize_head(self) -> None:
-        """Swaps the output projection for an empty grouped-int8 one, before loading; a
-        tied embedding then reads its rows from it rather than holding a copy."""
-        self.lm_head = Int8GroupLinear(self.lm_head.in_features, self.lm_head.out_features, "meta")
+    def quantize_head(self, int6: bool = False) -> None:
+        """Swaps the output projection for an empty grouped-int8 one (or an int6 one, for a
+        Q6_K head), before loading; a tied embedding then reads its rows from it rather
+        than holding a copy."""
+        shape = (self.lm_head.in_features, self.lm_head.out_features, "meta")
+        self.lm_head = Int6Linear(*shape, logits=True) if int6 else Int8GroupLinear(*shape)
         if self.config.tie_embeddings and not self.tp:
             self.embed_from_head = True
             self.embed_tokens = nn.Embedding(0, self.config.dim, device="meta")
@@ -129,18 +132,20 @@ class Llama(nn.Module):
         quantization: str | None = None,
         tp: TensorParallel | None = None,
         head_int8: bool = False,
+        head_int6: bool = False,
         layer_quantizations: LayerQuantizations | None = None,
     ) -> Llama:
         """A model with uninitialised weights: random init of a model about to be loaded
         costs seconds for nothing. With `quantization`, the linear layers are quantised
         ones, filled as the weights load (`layer_quantizations`' layers in their own); with
-        `head_int8`, the output projection too (grouped int8, model/quantized_linear.py)."""
+        `head_int8`, the output projection too (grouped int8, model/quantized_linear.py, or
+        with `head_int6` int6, model/int6_linear.py)."""
         with torch.device("meta"):
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
                 model.quantize_linears(quantization, layer_quantizations)
             if head_int8:
-                model.quantize_head()
+                model.quantize_head(head_int6)
         # The dtype is set while the tensors are still shapes: materialising in fp32 and
         # then casting held both copies of the embedding at once.
         model = model.to(dtype).to_empty(device=device)

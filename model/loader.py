@@ -28,7 +28,7 @@ from model.errors import (
     UnsupportedModelError,
 )
 from model.heap import return_free_heap
-from model.layer_formats import describe, layer_quantizations
+from model.layer_formats import describe, head_in_int6, layer_quantizations
 from model.llama import Llama
 from model.parallel.plan import TensorParallel
 from model.row_invariant import make_rows_invariant
@@ -98,6 +98,7 @@ def load_model(
     head_int8 = tp is None and kernel_plan.head_int8(
         config, fmt, checkpoint.head_quantized, torch.device(device)
     )
+    head_int6 = head_int8 and head_in_int6(config, checkpoint.head_block_type)
     # On the CPU a quantised embedding stays in the file's blocks, read as rows are looked up.
     cpu = torch.device(device).type == "cpu"
     embedding = checkpoint.packed_embedding(fmt.dtype) if cpu and tp is None else None
@@ -106,7 +107,13 @@ def load_model(
     if tp is not None and not presharded:
         weights = tp.shard_weights(weights, config)
     own_formats = layer_quantizations(
-        fmt, config, torch.device(device), wide, checkpoint.q5_0_linears, quantization == "auto"
+        fmt,
+        config,
+        torch.device(device),
+        wide,
+        checkpoint.q5_0_linears,
+        quantization == "auto",
+        checkpoint.q6_k_linears,
     )
     model = Llama.empty(
         config,
@@ -116,6 +123,7 @@ def load_model(
         fmt.quantization,
         tp=tp,
         head_int8=head_int8,
+        head_int6=head_int6,
         layer_quantizations=own_formats,
     )
     if embedding is not None:
@@ -149,7 +157,7 @@ def load_model(
         name,
         config.num_parameters() / 1e6,
         describe(fmt, own_formats, config.n_layers)
-        + (" (output projection int8)" if head_int8 else ""),
+        + (f" (output projection {'int6' if head_int6 else 'int8'})" if head_int8 else ""),
         device,
         model.attention.name,
         time.perf_counter() - started,

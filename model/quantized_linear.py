@@ -29,7 +29,7 @@ INT4_GROUP = 32
 STAGE_ROWS = 256
 QUANTIZATIONS = ("int8", "int8g", "int4", "w4a8")
 # Formats the loader gives single layers, never a whole model (no flag asks for them).
-LAYER_ONLY_QUANTIZATIONS = ("int5",)
+LAYER_ONLY_QUANTIZATIONS = ("int5", "int6")
 
 
 class QuantizedLinear(nn.Module):
@@ -255,8 +255,9 @@ def quantized_linear(
 ) -> QuantizedLinear:
     """int4 is weight-only: the products take the activations in bf16. w4a8 is int4 on the
     kernel that rounds them to int8 first (llama.cpp's arithmetic for a Q4 GGUF), faster
-    where the CPU has AVX-512 VNNI and less exact. int5 (GGUF Q5_0's own format) is no
-    choice of the flags: the loader takes it for Q5_0 layers (LAYER_ONLY_QUANTIZATIONS)."""
+    where the CPU has AVX-512 VNNI and less exact. int5 and int6 (GGUF Q5_0's and Q6_K's own
+    formats) are no choice of the flags: the loader takes them for Q5_0 and Q6_K layers
+    (LAYER_ONLY_QUANTIZATIONS)."""
     if quantization == "int8":
         return Int8Linear(in_features, out_features, device)
     if quantization == "int8g":
@@ -266,6 +267,10 @@ def quantized_linear(
         from model.int5_linear import Int5Linear
 
         return Int5Linear(in_features, out_features, device)
+    if quantization == "int6":
+        from model.int6_linear import Int6Linear
+
+        return Int6Linear(in_features, out_features, device)
     if quantization == "int4":
         return Int4Linear(in_features, out_features, device, allowed=BF16_ACTIVATION_KERNELS)
     if quantization == "w4a8":

@@ -52,7 +52,9 @@ class WeightFormat:
         if self.wide is not None:
             return 6  # between its two formats: more compact than `wide` alone
         if self.quantization is not None:
-            return {"int8": 8, "int8g": 8, "int5": 5, "int4": 4, "w4a8": 4}[self.quantization]
+            return {"int8": 8, "int8g": 8, "int6": 6, "int5": 5, "int4": 4, "w4a8": 4}[
+                self.quantization
+            ]
         return torch.finfo(self.dtype).bits
 
     def describe(self) -> str:

@@ -4,7 +4,7 @@ Q5_0, Q6_K and Q8_0 tensors, untied output) and Gemma 3 270M (`gemma3`: head_dim
 windowed layers of 512 among global ones, a 262,144-token SentencePiece vocabulary), and
 for Qwen the same token ids on a varied corpus with every special token (Gemma's
 tokenizer: tests/test_spm_tokenizer.py); and their Q5_0 layers against the `gguf`
-package's dequantisation."""
+package's dequantisation, and their Q6_K ones against int6."""
 
 import numpy as np
 import pytest
@@ -14,6 +14,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from model.int5_linear import _grid_step
+from model.int6_linear import Int6Linear
 from model.loader import load_model
 from model.quantized_linear import INT4_GROUP
 from model.weights.gguf_file import open_gguf
@@ -133,3 +134,27 @@ def test_every_q5_0_layer_loads_into_int5_bit_for_bit(real) -> None:
         q = (groups / step).round()
         assert q.amin() >= -16 and q.amax() <= 15, tensor.name
         assert torch.equal(q * step, groups), tensor.name
+
+
+def test_every_q6_k_matrix_loads_into_int6_bit_for_bit(real) -> None:
+    """int6 (model/int6_linear.py) on the Q6_K matrices of the real file's first, middle and
+    last layers, dequantised by the `gguf` package: every super-block is found on its grid,
+    and the weights int6 holds (read back as a tied embedding reads them) are the file's."""
+    path, ours = real
+    n = ours.config.n_layers
+    layers = tuple(f"blk.{i}." for i in (0, n // 2, n - 1))
+    q6_k = [t for t in open_gguf(path).tensors if t.tensor_type == T.Q6_K]
+    q6_k = [t for t in q6_k if t.name.startswith(layers)]
+    if not q6_k:
+        pytest.skip("no Q6_K matrix in those layers")
+    block_weights, block_bytes = GGML_QUANT_SIZES[T.Q6_K]
+    for tensor in q6_k:
+        rows, width = tensor.shape[1], tensor.shape[0]
+        size = rows * width // block_weights * block_bytes
+        raw = np.fromfile(path, dtype=np.uint8, count=size, offset=tensor.offset)
+        blocks = raw.reshape(rows, width // block_weights * block_bytes)
+        weight = torch.from_numpy(dequantize(blocks, T.Q6_K).copy())
+        layer = Int6Linear(width, rows, "cpu", logits=True)
+        layer.load_rows(0, weight)
+        assert layer._rounded == 0, tensor.name
+        assert torch.equal(layer.embed(torch.arange(rows), torch.float32), weight), tensor.name

@@ -21,6 +21,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from tests import q6_k
 from tests.tiny_models import write_tiny_tokenizer
 
 SHAPE = dict(
@@ -136,8 +137,9 @@ def write_gguf(
     types: dict[str, GGMLQuantizationType] | None = None,
 ) -> Path:
     """The model's weights as float32 GGUF tensors (those `types` names quantised by the
-    `gguf` package), its config as `<arch>.*` metadata and the tokenizer of `hf_dir` as a
-    GGUF vocabulary (`gpt2`, byte-level BPE, unless the test names another)."""
+    `gguf` package; Q6_K by tests/q6_k.py), its config as `<arch>.*` metadata and the
+    tokenizer of `hf_dir` as a GGUF vocabulary (`gpt2`, byte-level BPE, unless the test
+    names another)."""
     c = model.config
     arch = PERMUTED.get(family, family)
     writer = GGUFWriter(str(path), arch)
@@ -181,6 +183,8 @@ def write_gguf(
         qtype = (types or {}).get(gguf_name)
         if qtype is None:
             writer.add_tensor(gguf_name, data)
+        elif qtype == GGMLQuantizationType.Q6_K:  # which the gguf package cannot write
+            writer.add_tensor(gguf_name, q6_k.quantize(data), raw_dtype=qtype)
         else:
             writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
     writer.write_header_to_file()

@@ -28,10 +28,14 @@ class Checkpoint(ABC):
     checkpoint_bits: int | None = None
     # Linear layers ('layers.3.down_proj') stored in more than 4 bits beside 4-bit ones.
     wide_linears: frozenset[str] = frozenset()
-    # Linear layers whose every matrix is GGUF Q5_0 (int5 holds them in their own format).
+    # Linear layers whose every matrix is GGUF Q5_0, or Q6_K (int5 and int6 hold them in
+    # their own formats).
     q5_0_linears: frozenset[str] = frozenset()
+    q6_k_linears: frozenset[str] = frozenset()
     # The output projection is stored in a block type of at most 8 bits (grouped int8 holds it).
     head_quantized: bool = False
+    # Its GGUF block type ("Q6_K": int6 holds it exactly), or None.
+    head_block_type: str | None = None
 
     @abstractmethod
     def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:

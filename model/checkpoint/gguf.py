@@ -21,8 +21,9 @@ from model.weights.gguf import (
     count_gguf_tensors,
     iter_gguf_weights,
     linear_weight_bits,
+    linears_all_in,
+    output_block_type,
     output_quantized,
-    q5_0_linears,
     wide_linears,
 )
 from model.weights.gguf_file import open_gguf
@@ -38,8 +39,10 @@ class GGUFCheckpoint(Checkpoint):
         self.num_tensors = count_gguf_tensors(self.gguf, self.config)
         self.checkpoint_bits = linear_weight_bits(self.gguf)
         self.wide_linears = wide_linears(self.gguf)
-        self.q5_0_linears = q5_0_linears(self.gguf)
+        self.q5_0_linears = linears_all_in(self.gguf, "Q5_0")
+        self.q6_k_linears = linears_all_in(self.gguf, "Q6_K")
         self.head_quantized = output_quantized(self.gguf)
+        self.head_block_type = output_block_type(self.gguf)
         self._handed_over: set[str] = set()  # by `packed_embedding`
         self.name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
 

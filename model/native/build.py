@@ -1,6 +1,7 @@
 """Builds the C kernels beside this file (paged attention, RMSNorm, int4 matmuls with bf16
-or int8 activations, the 5-bit and int8 matmuls, the decoder layer around attention, greedy argmax)
-into one shared library for this machine, once, and loads it with ctypes.
+or int8 activations, the 5-, 6- and 8-bit matmuls and the 6-bit grid finder, the decoder
+layer around attention, greedy argmax) into one shared library for this machine, once, and
+loads it with ctypes.
 
 C rather than a PyTorch extension: plain C with no PyTorch headers compiles in about a
 second with the system's compiler, so the library is simply built where it runs, with
@@ -38,6 +39,8 @@ SOURCES = (
     "int4_matmul.c",
     "int4_matmul_a8.c",
     "int5_matmul.c",
+    "int6_matmul.c",
+    "int6_grid.c",
     "int8_matmul.c",
     "decoder_layer.c",
     "argmax.c",

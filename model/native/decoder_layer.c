@@ -1,5 +1,5 @@
-/* A decoder layer's work around attention, for the CPU in bf16 with int4, int5 or grouped int8
- * weights, in two calls instead of about forty PyTorch ops: on 2 cores those ops' dispatch
+/* A decoder layer's work around attention, for the CPU in bf16 with int4, int5, int6 or
+ * grouped int8 weights, in two calls instead of about forty PyTorch ops: on 2 cores those ops' dispatch
  * cost more than the layer's arithmetic at one stream.
  *
  * decoder_attention_input: RMSNorm, the fused Q/K/V projection (plus Qwen2's bias), the
@@ -36,13 +36,15 @@ int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
                      float *y, int64_t rows, int64_t n_out, int64_t k);
 int int5_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
+int int6_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
+                     uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 
 /* How a projection's weight is stored and multiplied. */
-enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2, INT5 = 3 };
+enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2, INT5 = 3, INT6 = 4 };
 
 typedef struct {
-    const uint8_t *weight; /* int4_matmul.c's, int5_matmul.c's or int8_matmul.c's layout */
-    const void *scales;    /* int4: bf16 scale and zero pairs; int5, grouped int8: fp32 */
+    const uint8_t *weight; /* int4_matmul.c's, int5_, int6_ or int8_matmul.c's layout */
+    const void *scales;    /* int4: bf16 scale and zero pairs; int5, int6, grouped int8: fp32 */
     int64_t kind;
 } layer_weight;
 
@@ -56,6 +58,8 @@ static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, ui
         return int4_matmul_a8_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == INT5)
         return int5_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
+    if (w->kind == INT6)
+        return int6_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     float *out = malloc(sizeof(float) * (rows > 0 ? rows : 1) * n_out);
     if (out == NULL) return 2;
     int status = int8_matmul_bf16(x, x_stride, w->weight, w->scales, out, rows, n_out, k);

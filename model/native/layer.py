@@ -1,7 +1,7 @@
 """A decoder layer's work around attention in two C calls (decoder_layer.c), for bf16
 models whose linear layers all run on the C kernels (int4 with bf16 or int8 activations,
-int5 or grouped int8, per projection), with each family's additions: Qwen2's Q/K/V bias, the
-per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms after attention and the MLP and
+int5, int6 or grouped int8, per projection), with each family's additions: Qwen2's Q/K/V
+bias, the per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms after attention and the MLP and
 its GELU-tanh gate.
 
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
@@ -34,8 +34,8 @@ class DecodeBatch:
     seq_lens: torch.Tensor  # [rows] int64, the new token included
 
 
-# decoder_layer.c's weight kinds: int4 with bf16 or with int8 activations, grouped int8, int5
-INT4, INT4_A8, INT8_GROUPS, INT5 = 0, 1, 2, 3
+# decoder_layer.c's weight kinds: int4 with bf16 or int8 activations, grouped int8, int5, int6
+INT4, INT4_A8, INT8_GROUPS, INT5, INT6 = 0, 1, 2, 3, 4
 # A projection as the C layer reads it: weight bytes, scales, kind.
 NativeWeight = tuple[torch.Tensor, torch.Tensor, int]
 

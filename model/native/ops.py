@@ -154,6 +154,62 @@ class NativeInt5Matmul(_TiledMatmul):
         return weight, tiled_scales
 
 
+class NativeInt6Matmul(_TiledMatmul):
+    """Weight-only 6-bit matmul in C (int6_matmul.c): GGUF's Q6_K exactly, sub-blocks of 16
+    with an int8 scale each under an fp32 one per 256; bf16 output."""
+
+    symbol, out_dtype = "int6_matmul", torch.bfloat16
+
+    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+        library = library or load_library()
+        super().__init__(library)
+        self._pack = library.int6_pack
+        self._pack.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR]
+        self._pack.restype = None
+
+    def pack(
+        self, q: torch.Tensor, sub_scales: torch.Tensor, scales: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [out, in] uint8 in 0..63; sub_scales [out, in / 16] int8; scales [out, in /
+        256] fp32. Returns the kernel's weight bytes and scales, in the tile order
+        int6_matmul.c describes."""
+        out_features, in_features = q.shape
+        q, sub_scales, scales = q.contiguous(), sub_scales.contiguous(), scales.contiguous()
+        weight = torch.empty(out_features * in_features * 13 // 16, dtype=torch.uint8)
+        tiled = torch.empty(out_features * (in_features // 256), dtype=torch.float32)
+        inputs = (q.data_ptr(), sub_scales.data_ptr(), scales.data_ptr())
+        self._pack(*inputs, out_features, in_features, weight.data_ptr(), tiled.data_ptr())
+        return weight, tiled
+
+
+class NativeInt6Logits(NativeInt6Matmul):
+    """NativeInt6Matmul with fp32 output: the output projection."""
+
+    symbol, out_dtype = "int6_logits", torch.float32
+
+
+def int6_grid(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """weight [rows, in] fp32 (in % 256 == 0) on Q6_K's grid (int6_grid.c): q [rows, in]
+    uint8, c [rows, in / 16] int8, d [rows, in / 256] fp32, and how many super-blocks of
+    256 were on no such grid and were rounded."""
+    weight = weight.contiguous()
+    rows, in_features = weight.shape
+    q = torch.empty(rows, in_features, dtype=torch.uint8)
+    c = torch.empty(rows, in_features // 16, dtype=torch.int8)
+    d = torch.empty(rows, in_features // 256, dtype=torch.float32)
+    pointers = (q.data_ptr(), c.data_ptr(), d.data_ptr())
+    rounded = _int6_grid()(weight.data_ptr(), rows, in_features, *pointers)
+    return q, c, d, rounded
+
+
+@cache
+def _int6_grid() -> ctypes._CFuncPtr:
+    function = load_library().int6_grid
+    function.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _PTR]
+    function.restype = _I64
+    return function
+
+
 class NativeInt8Matmul(_TiledMatmul):
     """Weight-only int8 matmul in C (int8_matmul.c), in groups of 32 with fp32 scales and
     fp32 output: the output projection."""

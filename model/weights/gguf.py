@@ -184,10 +184,10 @@ def wide_linears(gguf: GGUFFile, bits: int = 4) -> frozenset[str]:
     )
 
 
-def q5_0_linears(gguf: GGUFFile) -> frozenset[str]:
-    """Our linear layers whose every matrix is stored in Q5_0, which int5 holds exactly
-    (model/int5_linear.py)."""
-    return frozenset(key for key, types in _linear_types(gguf).items() if types == {"Q5_0"})
+def linears_all_in(gguf: GGUFFile, block_type: str) -> frozenset[str]:
+    """Our linear layers whose every matrix is stored in `block_type`: Q5_0, which int5
+    holds exactly (model/int5_linear.py), or Q6_K, which int6 does (model/int6_linear.py)."""
+    return frozenset(key for key, types in _linear_types(gguf).items() if types == {block_type})
 
 
 def output_quantized(gguf: GGUFFile) -> bool:
@@ -195,8 +195,13 @@ def output_quantized(gguf: GGUFFile) -> bool:
     a block type of 8 bits or fewer: grouped int8 holds Q8_0 exactly and the narrower
     types (Q6_K, Q5_0, Q4_K) within a sixteenth of their own step, so it keeps what the
     file holds while reading half a bf16 copy's bytes."""
+    return output_block_type(gguf) in _TYPE_BITS
+
+
+def output_block_type(gguf: GGUFFile) -> str | None:
+    """The block type of the output projection's weight, or of the embedding it is tied to."""
     types = {t.name: t.tensor_type.name for t in gguf.tensors}
-    return types.get("output.weight", types.get("token_embd.weight")) in _TYPE_BITS
+    return types.get("output.weight", types.get("token_embd.weight"))
 
 
 def count_gguf_tensors(

@@ -1,0 +1,147 @@
+"""6-bit linear layers for the CPU: GGUF's Q6_K (w = d c (q - 32), q in 0..63, an int8 c
+per sub-block of 16 and a d per super-block of 256) held exactly in 6.625 bits a weight, on
+the C kernel (model/native/int6_matmul.c).
+
+A Q4_K_M file keeps half its down projections and its output projection in Q6_K, which
+grouped int8 held in 9 bits and only within a sixteenth of a step: for Qwen2.5-Coder-1.5B
+those are 0.48 GB of grouped int8 a decode step reads, 0.35 GB here, exactly as the file
+has them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+
+import torch
+
+from model.errors import UnsupportedFormatError
+from model.native.ops import NativeInt6Logits, NativeInt6Matmul, int6_grid
+from model.quantized_linear import Int8GroupLinear, QuantizedLinear
+from model.timing import best_ms
+
+logger = logging.getLogger(__name__)
+
+SUPER_BLOCK = 256
+SUB_BLOCK_BYTES = 208  # 16 x 16 weights' six bits and the sub-block's 16 c
+
+
+class Int6Linear(QuantizedLinear):
+    """Q6_K's own format on the C kernel; bf16 output, or fp32 with `logits` (the output
+    projection). Each super-block of 256 input columns is found on its Q6_K grid, so it
+    loads without loss; a super-block on no such grid is rounded, and the load says how
+    many were."""
+
+    staging_dtype = torch.uint8
+    scale_dtype = torch.float32
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        device: torch.device | str,
+        logits: bool = False,
+    ) -> None:
+        if in_features % SUPER_BLOCK or out_features % 16:
+            raise UnsupportedFormatError(
+                f"6-bit super-blocks need in_features divisible by {SUPER_BLOCK} and "
+                f"out_features by 16, got [{out_features}, {in_features}]"
+            )
+        super().__init__(in_features, out_features, device)
+        self.logits = logits
+        self._native: NativeInt6Matmul | None = None
+        self._rounded = 0
+        self.register_buffer(
+            "sub_scales",
+            torch.empty(out_features, in_features // 16, dtype=torch.int8, device=device),
+        )
+        self.register_buffer(
+            "scales",
+            torch.empty(
+                out_features, in_features // SUPER_BLOCK, dtype=torch.float32, device=device
+            ),
+        )
+        self.register_buffer("weight_int6", torch.empty(0, dtype=torch.uint8, device=device))
+
+    def _stage(self, row: int, weight: torch.Tensor) -> None:
+        rows = weight.shape[0]
+        q, c, d, rounded = int6_grid(weight)
+        self._staging[row : row + rows] = q
+        self.sub_scales[row : row + rows] = c
+        self.scales[row : row + rows] = d
+        self._rounded += rounded
+
+    def _pack(self) -> None:
+        self._native = NativeInt6Logits() if self.logits else NativeInt6Matmul()
+        self.weight_int6, self.scales = self._native.pack(
+            self._staging, self.sub_scales, self.scales
+        )
+        self.sub_scales = torch.empty(0, dtype=torch.int8)  # now inside weight_int6
+        if self._rounded:
+            total = self.out_features * self.in_features // SUPER_BLOCK
+            logger.warning(
+                "int6 layer [%d, %d]: %d of %d super-blocks were on no Q6_K grid and were rounded",
+                self.out_features,
+                self.in_features,
+                self._rounded,
+                total,
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = self._native(flat, self.weight_int6, self.scales, self.out_features)
+        if not self.logits:  # the logits stay fp32, as the model's head gives them
+            out = out.to(x.dtype)
+        return out.reshape(*x.shape[:-1], self.out_features)
+
+    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight in `dtype`, read from the kernel's layout
+        (int6_matmul.c): a tied embedding's lookup."""
+        flat = ids.reshape(-1)
+        n, supers = len(flat), self.in_features // SUPER_BLOCK
+        tile, column, index = flat // 16, flat % 16, torch.arange(len(flat))
+        blocks = self.weight_int6.view(-1, supers, 16, SUB_BLOCK_BYTES)[tile].to(torch.int32)
+        # [n, supers, sub-block, step, e]: nibbles; the top bits of steps 2u and 2u + 1
+        # share a byte, four bits each.
+        nibbles = blocks[..., :128].reshape(n, supers, 16, 4, 16, 2)[index, :, :, :, column]
+        tops = blocks[..., 128:192].reshape(n, supers, 16, 2, 16, 2)[index, :, :, :, column]
+        tops = torch.stack([tops, tops >> 4], dim=4).reshape(n, supers, 16, 4, 2)
+        low = (nibbles & 15) | (tops & 3) << 4
+        high = (nibbles >> 4) | ((tops >> 2) & 3) << 4
+        q = torch.stack([low, high], dim=4).reshape(n, supers, 16, 16)  # K: 4 s + 2 h + e
+        c = blocks[..., 192:208].reshape(n, supers, 16, 16)[index, :, :, column].to(torch.int8)
+        d = self.scales.view(-1, supers, 16)[tile, :, column]
+        rows = (q - 32).float() * (d[..., None] * c.float())[..., None]
+        return rows.reshape(*ids.shape, self.in_features).to(dtype)
+
+
+def on_grid(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:
+    """A random weight on Q6_K's grid, as a Q6_K file's dequantised values are."""
+    q = torch.randint(0, 64, (out_features, in_features), generator=generator)
+    c = torch.randint(-128, 128, (out_features, in_features // 16), generator=generator)
+    d = torch.rand(out_features, in_features // SUPER_BLOCK, generator=generator) * 1e-3
+    d = d.half().float()  # as Q6_K stores it: d c is then exact in fp32
+    scale = (d.repeat_interleave(SUPER_BLOCK // 16, dim=1) * c).repeat_interleave(16, dim=1)
+    return (q - 32) * scale
+
+
+def int6_and_int8g_ms(in_features: int, out_features: int, logits: bool) -> tuple[float, float]:
+    """Milliseconds of one product in int6 and in grouped int8 (geometric mean over the
+    batch sizes the weight format is chosen on), on at most 8192 of the output columns:
+    the output projection's cost is linear in them."""
+    from model.weight_format import MEASURED_BATCH_SIZES  # it imports the layer modules
+
+    rows = min(out_features, 8192)
+    weight = on_grid(rows, in_features, torch.Generator().manual_seed(0))
+    int6 = Int6Linear(in_features, rows, "cpu", logits=logits)
+    int8g = Int8GroupLinear(in_features, rows, "cpu", fp32_output=logits)
+    logs = [0.0, 0.0]
+    for module in (int6, int8g):
+        module.load_rows(0, weight)
+    for batch in MEASURED_BATCH_SIZES:
+        x = torch.randn(batch, in_features).bfloat16()
+        for i, module in enumerate((int6, int8g)):
+            logs[i] += math.log(best_ms(partial(module, x)))
+    n = len(MEASURED_BATCH_SIZES)
+    return math.exp(logs[0] / n), math.exp(logs[1] / n)

@@ -1,0 +1,88 @@
+"""A GGUF whose layers and tied output projection mix Q4_1 with Q6_K, as a Q4_K_M file's
+do: the Q6_K ones load into int6 (model/int6_linear.py) where it times no slower than
+grouped int8, run on the C decoder layer, and the model computes what the float32 load of
+the same file computes, to the bf16 activations' rounding."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from model import cpu_kernels, layer_formats, weight_format
+from model.batch import Batch
+from model.int6_linear import Int6Linear
+from model.llama import Llama
+from model.loader import load_model
+from model.paged_cache import PagedKVCache
+from model.quantized_linear import Int4Linear, Int8GroupLinear
+from tests.tiny_families import write_gguf
+from tests.tiny_models import write_tiny_tokenizer
+
+
+def write_q6_k_gguf(tmp_path: Path) -> Path:
+    """Two layers of 256 wide; layer 1's down projection and the tied embedding in Q6_K,
+    every other matrix in Q4_1."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=512,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.05)
+    hf_dir = tmp_path / "hf"
+    model.save_pretrained(hf_dir)
+    write_tiny_tokenizer(hf_dir)
+    names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    types = {f"blk.{i}.{n}.weight": GGMLQuantizationType.Q4_1 for i in (0, 1) for n in names}
+    types["blk.1.ffn_down.weight"] = GGMLQuantizationType.Q6_K
+    types["token_embd.weight"] = GGMLQuantizationType.Q6_K
+    return write_gguf(model, "llama", hf_dir, tmp_path / "q6_k.gguf", types=types)
+
+
+def logprobs(model: Llama, ids: list[int]) -> torch.Tensor:
+    dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+    cache = PagedKVCache.allocate(model.config, 4, 16, dtype)
+    batch = Batch.build([ids], [0], [[0, 1]], 16, all_logits=True)
+    return torch.log_softmax(model(batch, cache).float(), dim=-1)
+
+
+@pytest.mark.parametrize("int6_pays", [True, False])
+def test_q6_k_layers_and_head_run_in_int6_where_it_times_no_slower(
+    tmp_path, monkeypatch, int6_pays
+) -> None:
+    path = write_q6_k_gguf(tmp_path)
+    # A machine where int4 is the fastest and the head runs quantised: those choices are
+    # timing's own (test_weight_format.py, test_int8_head.py).
+    monkeypatch.setattr(
+        weight_format, "layer_step_ms", lambda c, fmt, d: 1.0 if fmt.quantization else 9.0
+    )
+    monkeypatch.setattr(cpu_kernels, "head_int8", lambda *_: True)
+    times = (1.0, 2.0) if int6_pays else (2.0, 1.0)  # int6, grouped int8 (past NEAR_TIE)
+    monkeypatch.setattr(layer_formats, "int6_and_int8g_ms", lambda *_: times)
+    model = load_model(path, dtype="auto", quantization="auto", progress=False).model
+    narrow = Int6Linear if int6_pays else Int8GroupLinear
+    assert isinstance(model.layers[1].down_proj, narrow)
+    assert isinstance(model.layers[0].down_proj, Int4Linear)
+    assert isinstance(model.lm_head, narrow) and model.embed_from_head
+    assert all(layer.native is not None for layer in model.layers)  # the C decoder layer
+
+    exact = load_model(path, dtype="float32", quantization="none", progress=False).model
+    ids = list(range(3, 200, 7))
+    # The embedding's rows come out of the packed head as the file holds them.
+    assert torch.equal(
+        model._embed(torch.tensor(ids)).float(),
+        exact._embed(torch.tensor(ids)).bfloat16().float(),
+    )
+    difference = (logprobs(model, ids) - logprobs(exact, ids)).abs().max().item()
+    assert difference < 0.08  # 0.04 here; a head 5% off: 0.2
