@@ -99,12 +99,21 @@ def test_every_level_packs_alike() -> None:
         assert torch.equal(weight, packed[0][0]) and torch.equal(tiled, packed[0][1])
 
 
-def test_rows_loaded_in_parts_equal_rows_loaded_at_once() -> None:
-    weight = q6_k_weight(64, 256, seed=4)
-    whole, parts = Int6Linear(256, 64, "cpu"), Int6Linear(256, 64, "cpu")
+@pytest.mark.parametrize("order", ["in order", "reversed"])
+def test_rows_loaded_in_parts_equal_rows_loaded_at_once(order) -> None:
+    """Parts of any size, as a file's blocks of rows come (packed a whole tile of 16 rows
+    at a time as soon as its rows are in), in order or not."""
+    weight = q6_k_weight(96, 256, seed=4)
+    whole = Int6Linear(256, 96, "cpu")
     whole.load_rows(0, weight)
-    parts.load_rows(32, weight[32:])
-    parts.load_rows(0, weight[:32])
+    parts = Int6Linear(256, 96, "cpu")
+    bounds = [0, 5, 32, 59, 60, 96]
+    pieces = list(zip(bounds[:-1], bounds[1:], strict=True))
+    for first, end in pieces if order == "in order" else pieces[::-1]:
+        parts.load_rows(first, weight[first:end])
+    assert parts.ready and not parts._pending
+    assert torch.equal(whole.weight_int6, parts.weight_int6)
+    assert torch.equal(whole.scales, parts.scales)
     x = torch.randn(3, 256).bfloat16()
     assert torch.equal(whole(x), parts(x))
 

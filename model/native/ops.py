@@ -168,15 +168,27 @@ class NativeInt6Matmul(_TiledMatmul):
         self._pack.restype = None
 
     def pack(
-        self, q: torch.Tensor, sub_scales: torch.Tensor, scales: torch.Tensor
+        self,
+        q: torch.Tensor,
+        sub_scales: torch.Tensor,
+        scales: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        tiled: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [out, in] uint8 in 0..63; sub_scales [out, in / 16] int8; scales [out, in /
         256] fp32. Returns the kernel's weight bytes and scales, in the tile order
-        int6_matmul.c describes."""
+        int6_matmul.c describes: written into `weight` and `tiled` where given
+        (contiguous, of those sizes), so that rows can be packed where the whole weight's
+        bytes will be."""
         out_features, in_features = q.shape
         q, sub_scales, scales = q.contiguous(), sub_scales.contiguous(), scales.contiguous()
-        weight = torch.empty(out_features * in_features * 13 // 16, dtype=torch.uint8)
-        tiled = torch.empty(out_features * (in_features // 256), dtype=torch.float32)
+        if weight is None or tiled is None:
+            weight = torch.empty(out_features * in_features * 13 // 16, dtype=torch.uint8)
+            tiled = torch.empty(out_features * (in_features // 256), dtype=torch.float32)
+        if weight.numel() != out_features * in_features * 13 // 16 or not weight.is_contiguous():
+            raise ValueError("int6 pack: the weight bytes do not fit the rows")
+        if tiled.numel() != out_features * (in_features // 256) or not tiled.is_contiguous():
+            raise ValueError("int6 pack: the scales do not fit the rows")
         inputs = (q.data_ptr(), sub_scales.data_ptr(), scales.data_ptr())
         self._pack(*inputs, out_features, in_features, weight.data_ptr(), tiled.data_ptr())
         return weight, tiled
