@@ -112,28 +112,36 @@ def test_greedy_continuations_match_transformers(real) -> None:
         assert logits.argmax(-1).tolist() == got, PROMPTS[i]
 
 
+def some_layers_in(path, config, qtype: T) -> list[tuple[str, torch.Tensor]]:
+    """The matrices of type `qtype` in the file's first, middle and last layers, by name,
+    dequantised by the `gguf` package."""
+    n = config.n_layers
+    layers = tuple(f"blk.{i}." for i in (0, n // 2, n - 1))
+    tensors = [t for t in open_gguf(path).tensors if t.tensor_type == qtype]
+    block_weights, block_bytes = GGML_QUANT_SIZES[qtype]
+    matrices = []
+    for tensor in (t for t in tensors if t.name.startswith(layers)):
+        rows, width = tensor.shape[1], tensor.shape[0]
+        size = rows * width // block_weights * block_bytes
+        raw = np.fromfile(path, dtype=np.uint8, count=size, offset=tensor.offset)
+        blocks = raw.reshape(rows, width // block_weights * block_bytes)
+        matrices.append((tensor.name, torch.from_numpy(dequantize(blocks, qtype).copy())))
+    return matrices
+
+
 def test_every_q5_0_layer_loads_into_int5_bit_for_bit(real) -> None:
     """The steps int5 finds (model/int5_linear.py) on the Q5_0 matrices of the real file's
     first, middle and last layers, dequantised by the `gguf` package: every weight is its
     step times an integer in -16..15, exactly (every layer: 10 s a file)."""
     path, ours = real
-    n = ours.config.n_layers
-    layers = tuple(f"blk.{i}." for i in (0, n // 2, n - 1))
-    q5_0 = [t for t in open_gguf(path).tensors if t.tensor_type == T.Q5_0]
-    q5_0 = [t for t in q5_0 if t.name.startswith(layers)]
+    q5_0 = some_layers_in(path, ours.config, T.Q5_0)
     assert q5_0
-    block_weights, block_bytes = GGML_QUANT_SIZES[T.Q5_0]
-    for tensor in q5_0:
-        rows, width = tensor.shape[1], tensor.shape[0]
-        size = rows * width // block_weights * block_bytes
-        raw = np.fromfile(path, dtype=np.uint8, count=size, offset=tensor.offset)
-        blocks = raw.reshape(rows, width // block_weights * block_bytes)
-        weight = torch.from_numpy(dequantize(blocks, T.Q5_0).copy())
+    for name, weight in q5_0:
         groups = weight.reshape(-1, 1, INT4_GROUP)
         step = _grid_step(groups)
         q = (groups / step).round()
-        assert q.amin() >= -16 and q.amax() <= 15, tensor.name
-        assert torch.equal(q * step, groups), tensor.name
+        assert q.amin() >= -16 and q.amax() <= 15, name
+        assert torch.equal(q * step, groups), name
 
 
 def test_every_q6_k_matrix_loads_into_int6_bit_for_bit(real) -> None:
@@ -141,20 +149,12 @@ def test_every_q6_k_matrix_loads_into_int6_bit_for_bit(real) -> None:
     last layers, dequantised by the `gguf` package: every super-block is found on its grid,
     and the weights int6 holds (read back as a tied embedding reads them) are the file's."""
     path, ours = real
-    n = ours.config.n_layers
-    layers = tuple(f"blk.{i}." for i in (0, n // 2, n - 1))
-    q6_k = [t for t in open_gguf(path).tensors if t.tensor_type == T.Q6_K]
-    q6_k = [t for t in q6_k if t.name.startswith(layers)]
+    q6_k = some_layers_in(path, ours.config, T.Q6_K)
     if not q6_k:
         pytest.skip("no Q6_K matrix in those layers")
-    block_weights, block_bytes = GGML_QUANT_SIZES[T.Q6_K]
-    for tensor in q6_k:
-        rows, width = tensor.shape[1], tensor.shape[0]
-        size = rows * width // block_weights * block_bytes
-        raw = np.fromfile(path, dtype=np.uint8, count=size, offset=tensor.offset)
-        blocks = raw.reshape(rows, width // block_weights * block_bytes)
-        weight = torch.from_numpy(dequantize(blocks, T.Q6_K).copy())
+    for name, weight in q6_k:
+        rows, width = weight.shape
         layer = Int6Linear(width, rows, "cpu", logits=True)
         layer.load_rows(0, weight)
-        assert layer._rounded == 0, tensor.name
-        assert torch.equal(layer.embed(torch.arange(rows), torch.float32), weight), tensor.name
+        assert layer._rounded == 0, name
+        assert torch.equal(layer.embed(torch.arange(rows), torch.float32), weight), name
