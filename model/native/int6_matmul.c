@@ -91,10 +91,10 @@ static inline __attribute__((always_inline)) void tile_block(
                 }
                 const int64_t k = g * SUPER + b * SUB + 8 * u;
                 for (int m = 0; m < rows; m++) {
-                    int32_t pairs[4];
-                    memcpy(pairs, x + m * x_stride + k, 16);
                     for (int p = 0; p < 4; p++) {
-                        const __m512bh xp = as_bh(_mm512_set1_epi32(pairs[p]));
+                        int32_t pair; /* broadcast from memory: no shuffle */
+                        memcpy(&pair, x + m * x_stride + k + 2 * p, 4);
+                        const __m512bh xp = as_bh(_mm512_set1_epi32(pair));
                         for (int j = 0; j < tiles; j++)
                             part[m][j] = _mm512_dpbf16_ps(part[m][j], xp, wv[j][p]);
                     }
