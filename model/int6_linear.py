@@ -33,7 +33,6 @@ class Int6Linear(QuantizedLinear):
     loads without loss; a super-block on no such grid is rounded, and the load says how
     many were."""
 
-    staging_dtype = torch.uint8
     scale_dtype = torch.float32
 
     def __init__(
