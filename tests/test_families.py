@@ -107,27 +107,34 @@ def test_logits_match_transformers_on_the_test_device(checkpoint, source, device
         assert (got - hf_logits(hf, ids)).abs().max().item() < 1e-3, (name, len(ids))
 
 
-def test_windowed_layers_through_the_triton_kernels(checkpoint) -> None:
-    """The Triton backend's prefill and decode kernels mask each layer's window (here on
-    CPU tensors under Triton's interpreter): the longest prompts, all but the last token
-    in one prefill, then the last as a decode, against transformers' logits."""
+def test_windowed_layers_through_the_triton_kernels(checkpoint, device) -> None:
+    """The Triton backend's prefill and decode kernels mask each layer's window (on the GPU
+    with --device cuda, else on CPU tensors under Triton's interpreter): the longest
+    prompts, all but the last token in one prefill, then the last as a decode, against
+    transformers' logits."""
     name, hf, directory, _ = checkpoint
     if name not in ("mistral_window", "gemma3"):
         pytest.skip("a family with a sliding window")
     pytest.importorskip("triton")
+    if device == "cpu" and torch.cuda.is_available():
+        pytest.skip("where a GPU is visible, Triton's interpreter is off: run with --device cuda")
     loaded = load_model(
-        directory, dtype=torch.float32, progress=False, attention_backend="triton_paged"
+        directory,
+        dtype=torch.float32,
+        device=device,
+        progress=False,
+        attention_backend="triton_paged",
     )
     block = 16  # the Triton kernels' smallest block
     for ids in prompts()[-2:]:
         want = hf_logits(hf, ids)
-        cache = PagedKVCache.allocate(loaded.model.config, 16, block)
+        cache = PagedKVCache.allocate(loaded.model.config, 16, block, torch.float32, device)
         table = list(range(-(-len(ids) // block)))
-        prefill = Batch.build([ids[:-1]], [0], [table], block, "cpu", all_logits=True)
-        got = loaded.model(prefill, cache)
+        prefill = Batch.build([ids[:-1]], [0], [table], block, device, all_logits=True)
+        got = loaded.model(prefill, cache).cpu()
         assert (got - want[:-1]).abs().max().item() < 1e-4, (name, len(ids), "prefill")
-        decode = Batch.build([ids[-1:]], [len(ids) - 1], [table], block, "cpu")
-        got = loaded.model(decode, cache)
+        decode = Batch.build([ids[-1:]], [len(ids) - 1], [table], block, device)
+        got = loaded.model(decode, cache).cpu()
         assert (got[-1] - want[-1]).abs().max().item() < 1e-4, (name, len(ids), "decode")
 
 
