@@ -117,11 +117,17 @@ def attention(name: str, device: torch.device | str) -> AttentionBackend:
 
 def use_kernels(model: torch.nn.Module, attention_name: str, device: str) -> None:
     """The attention backend, and with the CPU's C attention the C RMSNorm and decoder
-    layers too: all come from one library."""
+    layers too: all come from one library. With the Triton attention on a GPU, RMSNorm and
+    RoPE in one Triton kernel each (model/cuda_ops.py)."""
     model.attention = attention(attention_name, device)
     if model.attention.name == "cpu_paged":
         model.use_native_norm(NativeRmsNorm())
         model.use_native_layers()
+    elif model.attention.name == "triton_paged" and torch.device(device).type == "cuda":
+        from model.cuda_ops import TritonRmsNorm, triton_rope
+
+        model.use_native_norm(TritonRmsNorm())
+        model.use_rope_kernel(triton_rope)
 
 
 def argmax_kernel() -> NativeArgmax | None:

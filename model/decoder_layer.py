@@ -35,6 +35,7 @@ from model.quantized_linear import Int4Linear, Int8GroupLinear
 from model.rope import apply_rope
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]
+RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
 
 
 class RMSNorm(nn.Module):
@@ -86,6 +87,9 @@ class DecoderLayer(nn.Module):
         # The same layer around attention in two native calls (model/native/layer.py),
         # set by `Llama.use_native_layers` where every part of it fits.
         self.native: NativeDecoderLayer | None = None
+        # RoPE in one kernel where the device has one (model/cuda_ops.py), set by
+        # `Llama.use_rope_kernel`; it returns None where it does not apply.
+        self.rope_kernel: RopeKernel | None = None
 
     def use_native(self) -> bool:
         """Runs around attention in two native calls where every part fits (bf16 norms
@@ -141,7 +145,8 @@ class DecoderLayer(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
-        qk = apply_rope(qk, *rope)
+        rotated = self.rope_kernel(qk, *rope) if self.rope_kernel is not None else None
+        qk = rotated if rotated is not None else apply_rope(qk, *rope)
         q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
         attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)

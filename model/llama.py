@@ -16,7 +16,7 @@ from model.attention.base import AttentionBackend
 from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
 from model.config import ModelConfig
-from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm
+from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
 from model.int6_linear import Int6Linear
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
@@ -81,6 +81,11 @@ class Llama(nn.Module):
         for module in self.modules():
             if isinstance(module, RMSNorm):
                 module.native = kernel
+
+    def use_rope_kernel(self, kernel: RopeKernel | None) -> None:
+        """Every layer rotates Q and K with `kernel` (None: back to PyTorch)."""
+        for layer in self.layers:
+            layer.rope_kernel = kernel
 
     def use_native_layers(self) -> int:
         """Every decoder layer whose parts all fit runs around attention in two native
