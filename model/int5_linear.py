@@ -1,10 +1,11 @@
-"""5-bit linear layers for the CPU: GGUF's Q5_0 (w = d * (q - 16), q in 0..31, a scale per
-group of 32) held exactly in 6 bits a weight, on the C kernel (model/native/int5_matmul.c).
+"""5-bit linear layers for the CPU: GGUF's Q5_0 (w = d * (q - 16), q in 0..31, an fp16
+scale per group of 32) held exactly in 5.5 bits a weight, on the C kernel
+(model/native/int5_matmul.c).
 
 Small models' Q4_K_M files keep most of their layers in Q5_0 (the K-quants need rows of
 256: Qwen2.5-0.5B's 896 and Gemma 3 270M's 640 are not), which grouped int8 also holds
-exactly but in 9 bits: Qwen2.5-Coder-0.5B's layers took 0.29 GB as grouped int8 and take
-0.19 GB here, and a step reads that much less.
+exactly but in 8.5 bits: Qwen2.5-Coder-0.5B's layers take 0.27 GB as grouped int8 and
+0.17 GB here, and a step reads that much less.
 """
 
 from __future__ import annotations
@@ -14,20 +15,20 @@ import torch
 from model.errors import UnsupportedFormatError
 from model.file_grid import sorted_groups
 from model.native.ops import NativeInt5Matmul
-from model.quantized_linear import INT4_GROUP, QuantizedLinear
+from model.quantized_linear import INT4_GROUP, QuantizedLinear, fp16_scales
 
 LEVELS = 16  # q - 16 spans -16..15
 ON_GRID = 1e-3  # how far from an integer a weight over its step may lie to count as on it
 
 
 class Int5Linear(QuantizedLinear):
-    """Symmetric 5-bit in groups of 32 input columns, fp32 scales, on the C kernel; bf16
+    """Symmetric 5-bit in groups of 32 input columns, fp16 scales, on the C kernel; bf16
     output. A group already on a grid of at most 32 steps around zero (a Q5_0 block) keeps
     that step, so it loads without loss; any other group is rounded to 31 steps of its
     largest magnitude."""
 
     staging_dtype = torch.uint8
-    scale_dtype = torch.float32
+    scale_dtype = torch.float16
 
     def __init__(self, in_features: int, out_features: int, device: torch.device | str) -> None:
         if in_features % INT4_GROUP or out_features % 16:
@@ -39,15 +40,15 @@ class Int5Linear(QuantizedLinear):
         self._native: NativeInt5Matmul | None = None
         groups = in_features // INT4_GROUP
         self.register_buffer(
-            "scales", torch.empty(out_features, groups, dtype=torch.float32, device=device)
+            "scales", torch.empty(out_features, groups, dtype=torch.float16, device=device)
         )
         self.register_buffer("weight_int5", torch.empty(0, dtype=torch.uint8, device=device))
 
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         rows = weight.shape[0]
         groups = weight.reshape(rows, -1, INT4_GROUP)
-        step = _grid_step(groups)
-        q = (groups / step).round().clamp(-LEVELS, LEVELS - 1) + LEVELS
+        step = fp16_scales(_grid_step(groups))
+        q = (groups / step.float()).round().clamp(-LEVELS, LEVELS - 1) + LEVELS
         self._staging[row : row + rows] = q.reshape(rows, -1).to(torch.uint8)
         self.scales[row : row + rows] = step.squeeze(-1)
 

@@ -2,7 +2,7 @@
 mixes block types (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0) runs each layer in the narrowest format
 that holds its own type. The model's format (model/weight_format.py) covers the 4-bit
 layers; `wide` ones take its `wide` format; those whose every matrix is Q5_0 take int5,
-its own format in 6 bits a weight where grouped int8 takes 9, and those all Q6_K take
+its own format in 5.5 bits a weight where grouped int8 takes 8.5, and those all Q6_K take
 int6 (6.625 bits), each where it times no slower beyond `NEAR_TIE` (fewer bytes are
 certain, a small timing lead is not)."""
 

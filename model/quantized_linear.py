@@ -26,10 +26,22 @@ from model.int4_kernel import BF16_ACTIVATION_KERNELS, INT4_KERNELS, NATIVE_INT4
 from model.native.ops import NativeInt4Matmul, NativeInt8Matmul, native_int4_matmul
 
 INT4_GROUP = 32
+FP16_SMALLEST = 2.0**-24  # the smallest positive float16
+FP16_LARGEST = 65504.0
 STAGE_ROWS = 256
 QUANTIZATIONS = ("int8", "int8g", "int4", "w4a8")
 # Formats the loader gives single layers, never a whole model (no flag asks for them).
 LAYER_ONLY_QUANTIZATIONS = ("int5", "int6")
+
+
+def fp16_scales(scales: torch.Tensor) -> torch.Tensor:
+    """Group scales in float16, as the symmetric kernels read them: GGUF's own scale type,
+    so a Q8_0 or Q5_0 block keeps its scale exactly, in half the bytes of float32 (a
+    twelfth of a grouped-int8 weight's). Never rounded to zero: a scale below float16's
+    range keeps its sign at the smallest magnitude."""
+    half = scales.clamp(-FP16_LARGEST, FP16_LARGEST).to(torch.float16)
+    smallest = torch.full_like(half, FP16_SMALLEST)
+    return torch.where(half == 0, torch.where(scales < 0, -smallest, smallest), half)
 
 
 class QuantizedLinear(nn.Module):
@@ -192,7 +204,7 @@ class Int4Linear(QuantizedLinear):
 
 
 class Int8GroupLinear(QuantizedLinear):
-    """Symmetric int8 in groups of 32 input columns, fp32 scales, on the C kernel. It holds
+    """Symmetric int8 in groups of 32 input columns, fp16 scales, on the C kernel. It holds
     GGUF's Q8_0 exactly and the 4- to 6-bit types within a sixteenth of their own step,
     and reads half the bytes of a bf16 copy. As the output
     projection it keeps the kernel's fp32 output (the logits); tied, it is the embedding
@@ -200,7 +212,7 @@ class Int8GroupLinear(QuantizedLinear):
     its output takes the activations' dtype, the residual stream's."""
 
     staging_dtype = torch.int8
-    scale_dtype = torch.float32
+    scale_dtype = torch.float16
 
     def __init__(
         self,
@@ -219,15 +231,15 @@ class Int8GroupLinear(QuantizedLinear):
         self._native: NativeInt8Matmul | None = None
         groups = in_features // INT4_GROUP
         self.register_buffer(
-            "scales", torch.empty(out_features, groups, dtype=torch.float32, device=device)
+            "scales", torch.empty(out_features, groups, dtype=torch.float16, device=device)
         )
         self.register_buffer("weight_int8", torch.empty(0, dtype=torch.int8, device=device))
 
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         rows = weight.shape[0]
         groups = weight.reshape(rows, -1, INT4_GROUP)
-        scale = groups.abs().amax(dim=-1, keepdim=True).clamp(min=1e-30) / 127.0
-        q = (groups / scale).round().clamp(-127, 127)
+        scale = fp16_scales(groups.abs().amax(dim=-1, keepdim=True) / 127.0)
+        q = (groups / scale.float()).round().clamp(-127, 127)
         self._staging[row : row + rows] = q.reshape(rows, -1).to(torch.int8)
         self.scales[row : row + rows] = scale.squeeze(-1)
 

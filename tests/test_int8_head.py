@@ -55,9 +55,12 @@ def kernel(request) -> NativeInt8Matmul:
 def test_matches_fp32_on_the_same_weights(kernel, in_features, out_features) -> None:
     generator = torch.Generator().manual_seed(1)
     q = torch.randint(-127, 128, (out_features, in_features), dtype=torch.int8, generator=generator)
-    scales = torch.rand(out_features, in_features // 32, generator=generator) * 0.01
+    # fp16 scales, as the kernel reads them (and as GGUF's Q8_0 stores them).
+    scales = (torch.rand(out_features, in_features // 32, generator=generator) * 0.01).half()
     weight, tiled = kernel.pack(q.clone(), scales)  # reordered in place
-    reference = (q.float().view(out_features, -1, 32) * scales[..., None]).view(out_features, -1)
+    reference = (q.float().view(out_features, -1, 32) * scales.float()[..., None]).view(
+        out_features, -1
+    )
     for rows in (1, 8, 9, 20):
         x = torch.randn(rows, in_features, generator=generator).bfloat16()
         y = kernel(x, weight, tiled, out_features)

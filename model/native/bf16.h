@@ -14,6 +14,25 @@ static inline float from_bf16(uint16_t x) {
     return f;
 }
 
+/* IEEE half to float, subnormals included: the symmetric kernels' scales (GGUF's own
+ * scale type). */
+static inline float from_fp16(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 31, mant = h & 1023;
+    uint32_t bits;
+    if (exp == 0) {
+        float f = (float)mant * (1.0f / 16777216.0f); /* mant 2^-24, exact */
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000u | mant << 13;
+    } else {
+        bits = sign | (exp + 112) << 23 | mant << 13;
+    }
+    float out;
+    memcpy(&out, &bits, 4);
+    return out;
+}
+
 static inline uint16_t to_bf16(float f) { /* round to nearest even; values are finite */
     uint32_t bits;
     memcpy(&bits, &f, sizeof bits);

@@ -32,9 +32,9 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
 int int4_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                         const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 
-int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
+int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *scales,
                      float *y, int64_t rows, int64_t n_out, int64_t k);
-int int5_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
+int int5_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *scales,
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 int int6_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
@@ -44,7 +44,7 @@ enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2, INT5 = 3, INT6 = 4 };
 
 typedef struct {
     const uint8_t *weight; /* int4_matmul.c's, int5_, int6_ or int8_matmul.c's layout */
-    const void *scales;    /* int4: bf16 scale and zero pairs; int5, int6, grouped int8: fp32 */
+    const void *scales;    /* int4: bf16 scale and zero pairs; int5, grouped int8: fp16; int6: fp32 */
     int64_t kind;
 } layer_weight;
 

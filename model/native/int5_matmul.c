@@ -1,8 +1,8 @@
 /* Weight-only 5-bit matrix multiply for the CPU: y[M, N] = x[M, K] W[N, K]^T, x and y bf16.
  *
- * W is symmetric in groups of 32 along K: w = (q - 16) * scale, q in 0..31, one fp32 scale
- * per (output column, group): GGUF's Q5_0 held exactly, in 6 bits a weight where grouped
- * int8 (int8_matmul.c) takes 9. Small models' Q4_K_M files store most layers in Q5_0 (the
+ * W is symmetric in groups of 32 along K: w = (q - 16) * scale, q in 0..31, one fp16 scale
+ * per (output column, group): GGUF's Q5_0 held exactly, in 5.5 bits a weight where grouped
+ * int8 (int8_matmul.c) takes 8.5. Small models' Q4_K_M files store most layers in Q5_0 (the
  * K-quants need rows of 256). The layout (written by NativeInt5Matmul.pack in
  * model/native/ops.py) is int4_matmul.c's, tile by tile, with each group's fifth bits
  * after its nibbles; the loops are int4_matmul.c's too, the fifth bit joining the nibble
@@ -12,7 +12,7 @@
  * four bits of q[16 t + i][32 g + 4 s + e] in its low nibble and of q[16 t + i][32 g + 4 s
  * + 2 + e] in its high one; then per step two little-endian 32-bit words whose bit 2 i + e
  * is the fifth bit of the low nibble's q, then of the high nibble's. Scales of tile t,
- * group g: 16 fp32.
+ * group g: 16 fp16.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,7 +35,7 @@ static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
 
 static inline __attribute__((always_inline)) void tile_block(
     const uint16_t *x, int64_t x_stride, const float *xf, int64_t groups, const uint8_t *w,
-    int64_t tile_bytes, const float *scales, int64_t tile_scales, uint16_t *y,
+    int64_t tile_bytes, const uint16_t *scales, int64_t tile_scales, uint16_t *y,
     int64_t y_stride, const int rows, const int tiles) {
     (void)xf;
     /* bf16 of q - 16 for the low four bits of q, without the fifth bit (q - 16 = -16..-1)
@@ -88,7 +88,8 @@ static inline __attribute__((always_inline)) void tile_block(
             }
         }
         for (int j = 0; j < tiles; j++) {
-            const __m512 scale = _mm512_loadu_ps(scales + j * tile_scales + g * TILE);
+            const __m512 scale = _mm512_cvtph_ps(
+                _mm256_loadu_si256((const __m256i *)(scales + j * tile_scales + g * TILE)));
             for (int m = 0; m < rows; m++)
                 total[m][j] = _mm512_fmadd_ps(part[m][j], scale, total[m][j]);
         }
@@ -100,7 +101,7 @@ static inline __attribute__((always_inline)) void tile_block(
 }
 #define INT5_KERNEL "avx512_bf16"
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 /* The fp32 copy of x the FMA loop broadcasts from. */
@@ -110,7 +111,7 @@ static inline __attribute__((always_inline)) void tile_block(
  * step's q widened to fp32 in registers once for all the rows, each row's products summed
  * by FMA in K order, the scale applied once per group. */
 static inline __attribute__((always_inline)) void half_tile(
-    const float *xf, int64_t k, int64_t groups, const uint8_t *w, const float *scales,
+    const float *xf, int64_t k, int64_t groups, const uint8_t *w, const uint16_t *scales,
     uint16_t *y, int64_t y_stride, const int rows, const int half) {
     const __m256i nibble = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
     const __m256i sixteen = _mm256_set1_epi32(16);
@@ -153,7 +154,8 @@ static inline __attribute__((always_inline)) void half_tile(
                     part[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * k), wv, part[m]);
             }
         }
-        const __m256 scale = _mm256_loadu_ps(scales + g * TILE + 8 * half);
+        const __m256 scale =
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * TILE + 8 * half)));
         for (int m = 0; m < rows; m++) total[m] = _mm256_fmadd_ps(part[m], scale, total[m]);
     }
     for (int m = 0; m < rows; m++) {
@@ -165,7 +167,7 @@ static inline __attribute__((always_inline)) void half_tile(
 
 static inline __attribute__((always_inline)) void tile_block(
     const uint16_t *x, int64_t x_stride, const float *xf, int64_t groups, const uint8_t *w,
-    int64_t tile_bytes, const float *scales, int64_t tile_scales, uint16_t *y,
+    int64_t tile_bytes, const uint16_t *scales, int64_t tile_scales, uint16_t *y,
     int64_t y_stride, const int rows, const int tiles) {
     (void)x, (void)x_stride;
     const int64_t k = groups * GROUP; /* the length of xf's rows */
@@ -183,7 +185,7 @@ static inline __attribute__((always_inline)) void tile_block(
 #include "portable_group.h"
 
 static inline void one_tile(const uint16_t *x, int64_t x_stride, int64_t groups,
-                            const uint8_t *w, const float *scales, uint16_t *y,
+                            const uint8_t *w, const uint16_t *scales, uint16_t *y,
                             int64_t y_stride, const int rows) {
     float total[ROW_BLOCK][TILE] = {{0}};
     for (int64_t g = 0; g < groups; g++) {
@@ -211,7 +213,7 @@ static inline void one_tile(const uint16_t *x, int64_t x_stride, int64_t groups,
 
 static inline void tile_block(const uint16_t *x, int64_t x_stride, const float *xf,
                               int64_t groups, const uint8_t *w, int64_t tile_bytes,
-                              const float *scales, int64_t tile_scales, uint16_t *y,
+                              const uint16_t *scales, int64_t tile_scales, uint16_t *y,
                               int64_t y_stride, const int rows, const int tiles) {
     (void)xf;
     for (int j = 0; j < tiles; j++)
@@ -230,8 +232,8 @@ const char *int5_matmul_kind(void) { return INT5_KERNEL; }
 /* x [rows, x_stride] bf16 (k contiguous); w, scales as above for n_out columns; y [rows,
  * n_out] bf16. n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0, or 2
  * when out of memory (the AVX2 loop's fp32 copy of x). */
-int int5_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
-                     uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
+int int5_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                     const uint16_t *scales, uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
     float *xf = X_FP32 ? fp32_rows(x, x_stride, rows, k) : NULL;
     if (X_FP32 && xf == NULL) return 2;
@@ -255,10 +257,10 @@ int int5_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
 }
 
 /* The layout above from q [n_out, k] (0..31, a row per output column) and scales [n_out,
- * k / 32]: w receives k n_out 5 / 8 bytes, tiled_scales n_out k / 32 floats. In C: the
+ * k / 32] fp16: w receives k n_out 5 / 8 bytes, tiled_scales n_out k / 32 fp16. In C: the
  * same reordering by tensor ops took a second per 100M weights. */
-void int5_pack(const uint8_t *q, const float *scales, int64_t n_out, int64_t k, uint8_t *w,
-               float *tiled_scales) {
+void int5_pack(const uint8_t *q, const uint16_t *scales, int64_t n_out, int64_t k, uint8_t *w,
+               uint16_t *tiled_scales) {
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tiles; t++)

@@ -1,7 +1,7 @@
 /* Weight-only int8 matrix multiply for the CPU, for the output projection: y[M, N] =
  * x[M, K] W[N, K]^T with x bf16 and y fp32 (the logits).
  *
- * W is symmetric int8 in groups of 32 along K, one fp32 scale per (output column, group):
+ * W is symmetric int8 in groups of 32 along K, one fp16 scale per (output column, group):
  * GGUF's Q8_0, the type of most GGUF files' embedding and output weights, held exactly.
  * The layout (written by NativeInt8Matmul.pack in model/native/ops.py) is tiled like
  * int4_matmul.c's: tiles of 16 output columns with their whole K contiguous, each tile's
@@ -10,7 +10,7 @@
  * by a portable loop. A row's sums are taken in the same order whatever the number of rows.
  *
  * Bytes of tile t, group g, step p (0..15, two K values each): 32 bytes; byte 2 i + e is
- * q[16 t + i][32 g + 2 p + e]. Scales of tile t, group g: 16 fp32.
+ * q[16 t + i][32 g + 2 p + e]. Scales of tile t, group g: 16 fp16.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,7 +35,7 @@ static inline __m512bh int8_to_bf16(const uint8_t *p) {
 
 static inline __attribute__((always_inline)) void tile_block(
     const uint16_t *x, int64_t x_stride, const float *xf, int64_t groups, const uint8_t *w,
-    const float *scales, float *y, int64_t y_stride, const int rows) {
+    const uint16_t *scales, float *y, int64_t y_stride, const int rows) {
     (void)xf;
     __m512 total[ROW_BLOCK];
     for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
@@ -52,14 +52,15 @@ static inline __attribute__((always_inline)) void tile_block(
                 part[m] = _mm512_dpbf16_ps(part[m], as_bh(_mm512_set1_epi32(pair)), wp);
             }
         }
-        const __m512 scale = _mm512_loadu_ps(scales + g * TILE);
+        const __m512 scale =
+            _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(scales + g * TILE)));
         for (int m = 0; m < rows; m++) total[m] = _mm512_fmadd_ps(part[m], scale, total[m]);
     }
     for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * y_stride, total[m]);
 }
 #define INT8_KERNEL "avx512_bf16"
 
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
 /* The fp32 copy of x the FMA loop broadcasts from. */
@@ -70,7 +71,7 @@ static inline __attribute__((always_inline)) void tile_block(
  * summed by FMA in K order, the scale applied once per group. A (row, column)'s operations
  * and their order are the same whatever the block's shape. */
 static inline __attribute__((always_inline)) void half_tile(
-    const float *xf, int64_t k, int64_t groups, const uint8_t *w, const float *scales,
+    const float *xf, int64_t k, int64_t groups, const uint8_t *w, const uint16_t *scales,
     float *y, int64_t y_stride, const int rows, const int half) {
     __m256 total[ROW_BLOCK];
     for (int m = 0; m < rows; m++) total[m] = _mm256_setzero_ps();
@@ -93,7 +94,8 @@ static inline __attribute__((always_inline)) void half_tile(
                     part[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * k), wv[e], part[m]);
             }
         }
-        const __m256 scale = _mm256_loadu_ps(scales + g * TILE + 8 * half);
+        const __m256 scale =
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * TILE + 8 * half)));
         for (int m = 0; m < rows; m++) total[m] = _mm256_fmadd_ps(part[m], scale, total[m]);
     }
     for (int m = 0; m < rows; m++) _mm256_storeu_ps(y + m * y_stride + 8 * half, total[m]);
@@ -101,7 +103,7 @@ static inline __attribute__((always_inline)) void half_tile(
 
 static inline __attribute__((always_inline)) void tile_block(
     const uint16_t *x, int64_t x_stride, const float *xf, int64_t groups, const uint8_t *w,
-    const float *scales, float *y, int64_t y_stride, const int rows) {
+    const uint16_t *scales, float *y, int64_t y_stride, const int rows) {
     (void)x, (void)x_stride;
     for (int half = 0; half < 2; half++)
         half_tile(xf, groups * GROUP, groups, w, scales, y, y_stride, rows, half);
@@ -115,7 +117,7 @@ static inline __attribute__((always_inline)) void tile_block(
 #include "portable_group.h"
 
 static inline void tile_block(const uint16_t *x, int64_t x_stride, const float *xf,
-                              int64_t groups, const uint8_t *w, const float *scales, float *y,
+                              int64_t groups, const uint8_t *w, const uint16_t *scales, float *y,
                               int64_t y_stride, const int rows) {
     (void)xf;
     float total[ROW_BLOCK][TILE] = {{0}};
@@ -143,8 +145,8 @@ const char *int8_matmul_kind(void) { return INT8_KERNEL; }
 /* x [rows, x_stride] bf16; w, scales as above for n_out columns; y [rows, n_out] fp32.
  * n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0, or 2 when out of
  * memory (the AVX2 loop's fp32 copy of x). */
-int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
-                      float *y, int64_t rows, int64_t n_out, int64_t k) {
+int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                      const uint16_t *scales, float *y, int64_t rows, int64_t n_out, int64_t k) {
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
     float *xf = X_FP32 ? fp32_rows(x, x_stride, rows, k) : NULL;
     if (X_FP32 && xf == NULL) return 2;

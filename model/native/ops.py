@@ -130,7 +130,7 @@ def native_int4_matmul(kernel: str) -> NativeInt4Matmul | NativeInt4A8Matmul:
 
 
 class NativeInt5Matmul(_TiledMatmul):
-    """Weight-only 5-bit matmul in C (int5_matmul.c): symmetric groups of 32 with fp32
+    """Weight-only 5-bit matmul in C (int5_matmul.c): symmetric groups of 32 with fp16
     scales, GGUF's Q5_0 exactly; bf16 output."""
 
     symbol, out_dtype = "int5_matmul", torch.bfloat16
@@ -143,12 +143,12 @@ class NativeInt5Matmul(_TiledMatmul):
         self._pack.restype = None
 
     def pack(self, q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [out, in] uint8 in 0..31, contiguous; scales [out, in / 32] fp32. Returns the
+        """q [out, in] uint8 in 0..31, contiguous; scales [out, in / 32] fp16. Returns the
         kernel's weight bytes and scales, in the tile order int5_matmul.c describes."""
         out_features, in_features = q.shape
         weight = torch.empty(out_features * in_features * 5 // 8, dtype=torch.uint8)
-        tiled_scales = torch.empty(out_features * (in_features // 32), dtype=torch.float32)
-        scales = scales.contiguous()
+        tiled_scales = torch.empty(out_features * (in_features // 32), dtype=torch.float16)
+        scales = scales.to(torch.float16).contiguous()
         pointers = (q.data_ptr(), scales.data_ptr(), weight.data_ptr(), tiled_scales.data_ptr())
         self._pack(*pointers[:2], out_features, in_features, *pointers[2:])
         return weight, tiled_scales
@@ -223,14 +223,14 @@ def _int6_grid() -> ctypes._CFuncPtr:
 
 
 class NativeInt8Matmul(_TiledMatmul):
-    """Weight-only int8 matmul in C (int8_matmul.c), in groups of 32 with fp32 scales and
+    """Weight-only int8 matmul in C (int8_matmul.c), in groups of 32 with fp16 scales and
     fp32 output: the output projection."""
 
     symbol, out_dtype = "int8_matmul", torch.float32
 
     @staticmethod
     def pack(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [out, in] int8, contiguous, reordered in place; scales [out, in / 32] fp32.
+        """q [out, in] int8, contiguous, reordered in place; scales [out, in / 32] fp16.
         Returns the kernel's weight bytes (q's storage) and scales, in the tile order
         int8_matmul.c describes."""
         out_features, in_features = q.shape
@@ -241,7 +241,7 @@ class NativeInt8Matmul(_TiledMatmul):
         for first in range(0, tiles, 64):
             part = tiled[first : first + 64]
             part.copy_(part.permute(0, 2, 3, 1, 4).contiguous().view(part.shape))
-        tiled_scales = scales.reshape(tiles, 16, groups).permute(0, 2, 1)
+        tiled_scales = scales.to(torch.float16).reshape(tiles, 16, groups).permute(0, 2, 1)
         return q.reshape(-1), tiled_scales.contiguous().reshape(-1)
 
     @staticmethod
@@ -253,7 +253,7 @@ class NativeInt8Matmul(_TiledMatmul):
         groups = in_features // 32
         tiles, column = ids // 16, ids % 16
         q = weight.view(-1, groups, 16, 16, 2)[tiles, :, :, column, :]  # [n, groups, 16, 2]
-        scale = scales.view(-1, groups, 16)[tiles, :, column]  # [n, groups]
+        scale = scales.view(-1, groups, 16)[tiles, :, column].float()  # [n, groups]
         values = q.reshape(-1, groups, 32).float() * scale[..., None]
         return values.reshape(-1, in_features)
 
