@@ -19,7 +19,7 @@ from model.llama import Llama
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt8Matmul
 from model.paged_cache import PagedKVCache
-from model.quantized_linear import Int8GroupLinear
+from model.quantized_linear import Int8GroupLinear, fp16_scales
 from model.weight_format import WeightFormat
 from model.weights.default_model import default_model_path
 from model.weights.gguf import output_quantized
@@ -138,3 +138,18 @@ def test_chosen_only_where_the_file_quantises_it_and_faster(monkeypatch) -> None
 
     monkeypatch.setattr(head_format, "_head_ms", unavailable)
     assert not choose_head_int8(config, INT4, True, CPU)
+
+
+def test_fp16_scales_never_vanish_or_overflow() -> None:
+    """Scales outside float16's range keep their sign at its ends rather than becoming 0
+    (a group of tiny weights would divide by zero) or infinity."""
+    scales = torch.tensor([1e-12, -1e-12, 0.5, -3.0, 1e6, 0.0])
+    half = fp16_scales(scales)
+    assert half.dtype == torch.float16
+    assert half[:5].ne(0).all() and half.isfinite().all()
+    assert torch.equal(half[:5].sign(), scales[:5].sign())
+    assert half[2].item() == 0.5 and half[3].item() == -3.0 and half[4].item() == 65504.0
+    tiny = torch.randn(16, 64) * 1e-9
+    layer = Int8GroupLinear(64, 16, "cpu")
+    layer.load_rows(0, tiny)
+    assert layer.embed(torch.arange(16), torch.float32).isfinite().all()
