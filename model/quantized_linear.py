@@ -36,9 +36,9 @@ LAYER_ONLY_QUANTIZATIONS = ("int5", "int6")
 
 def fp16_scales(scales: torch.Tensor) -> torch.Tensor:
     """Group scales in float16, as the symmetric kernels read them: GGUF's own scale type,
-    so a Q8_0 or Q5_0 block keeps its scale exactly, in half the bytes of float32 (a
-    twelfth of a grouped-int8 weight's). Never rounded to zero: a scale below float16's
-    range keeps its sign at the smallest magnitude."""
+    so a Q8_0 or Q5_0 block keeps its scale exactly, in half a bit a weight where float32
+    took one. Never rounded to zero: a scale below float16's range keeps its sign at the
+    smallest magnitude."""
     half = scales.clamp(-FP16_LARGEST, FP16_LARGEST).to(torch.float16)
     smallest = torch.full_like(half, FP16_SMALLEST)
     return torch.where(half == 0, torch.where(scales < 0, -smallest, smallest), half)
