@@ -15,7 +15,9 @@ from model.quantized_linear import INT4_GROUP
 from tests.native_builds import ISAS, kernel_build, library_at
 
 SHAPES = [(576, 960), (64, 32), (64, 48)]  # (in, out); 48: an odd count of tiles
-ROWS = [1, 7, 8, 9, 17, 33]  # around the blocks of 8 rows; from 16, blocks of two tiles
+# Around the blocks of 8 rows; from 16, blocks of two tiles; from 32, each pair of tiles
+# unpacked once for all the blocks.
+ROWS = [1, 7, 8, 9, 17, 33]
 
 
 def q5_0_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -78,7 +80,8 @@ def test_a_row_alone_equals_it_in_a_batch(kernel) -> None:
     x = (x * torch.exp2(torch.randint(-12, 12, x.shape, generator=generator))).bfloat16()
     w, scales = layer.weight_int5, layer.scales
     alone = [kernel(x[row : row + 1].clone(), w, scales, 960)[0] for row in range(33)]
-    for rows in (*range(2, 10), 16, 17, 33):  # blocks of every size; tile pairs from 16 rows
+    # Blocks of every size; tile pairs from 16 rows, unpacked once for all blocks from 32.
+    for rows in (*range(2, 10), 16, 17, 33):
         batch = kernel(x[:rows].clone(), w, scales, 960)
         for row in range(rows):
             assert torch.equal(alone[row], batch[row]), (rows, row)

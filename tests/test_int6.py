@@ -16,7 +16,9 @@ from tests.native_builds import ISAS, kernel_build, library_at
 from tests.q6_k import random_weight
 
 SHAPES = [(512, 96), (256, 48), (1024, 16)]  # (in, out); 48: an odd count of tiles
-ROWS = [1, 7, 8, 9, 17, 33]  # around the blocks of 8 rows; from 16, blocks of two tiles
+# Around the blocks of 8 rows; from 16, blocks of two tiles; from 32, each pair of tiles
+# unpacked once for all the blocks.
+ROWS = [1, 7, 8, 9, 17, 33]
 
 
 def q6_k_weight(out_features: int, in_features: int, seed: int = 0) -> torch.Tensor:
@@ -84,7 +86,8 @@ def test_a_row_alone_equals_it_in_a_batch(isa) -> None:
     x = (x * torch.exp2(torch.randint(-12, 12, x.shape, generator=generator))).bfloat16()
     w, scales = layer.weight_int6, layer.scales
     alone = [kernel(x[row : row + 1].clone(), w, scales, 96)[0] for row in range(33)]
-    for rows in (*range(2, 10), 16, 17, 33):  # blocks of every size; tile pairs from 16 rows
+    # Blocks of every size; tile pairs from 16 rows, unpacked once for all blocks from 32.
+    for rows in (*range(2, 10), 16, 17, 33):
         batch = kernel(x[:rows].clone(), w, scales, 96)
         for row in range(rows):
             assert torch.equal(alone[row], batch[row]), (rows, row)

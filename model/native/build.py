@@ -45,7 +45,15 @@ SOURCES = (
     "decoder_layer.c",
     "argmax.c",
 )
-HEADERS = ("bf16.h", "tiles.h", "portable_group.h", "paged_pairs_avx512.h", "paged_pairs_avx2.h")
+HEADERS = (
+    "bf16.h",
+    "tiles.h",
+    "portable_group.h",
+    "paged_pairs_avx512.h",
+    "paged_pairs_avx2.h",
+    "int5_avx512.h",
+    "int6_avx512.h",
+)
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every
 # call. It is for compiling only: linked with it, gcc before 13 adds a constructor that

@@ -29,76 +29,7 @@
 
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-
-static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-
-static inline __attribute__((always_inline)) void tile_block(
-    const uint16_t *x, int64_t x_stride, const float *xf, int64_t groups, const uint8_t *w,
-    int64_t tile_bytes, const uint16_t *scales, int64_t tile_scales, uint16_t *y,
-    int64_t y_stride, const int rows, const int tiles) {
-    (void)xf;
-    /* bf16 of q - 16 for the low four bits of q, without the fifth bit (q - 16 = -16..-1)
-     * and with it (0..15), each twice: vpermw reads five index bits, and the fifth is the
-     * high nibble's lowest, ignored. Lanes whose fifth bit is set take the second table. */
-    static const uint16_t without_values[32] = {
-        0xC180, 0xC170, 0xC160, 0xC150, 0xC140, 0xC130, 0xC120, 0xC110,
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-        0xC180, 0xC170, 0xC160, 0xC150, 0xC140, 0xC130, 0xC120, 0xC110,
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80};
-    static const uint16_t with_values[32] = {
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-        0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170,
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-        0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-    const __m512i without = _mm512_loadu_si512(without_values);
-    const __m512i with = _mm512_loadu_si512(with_values);
-    __m512 total[ROW_BLOCK][2];
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < tiles; j++) total[m][j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        __m512 part[ROW_BLOCK][2];
-        for (int m = 0; m < rows; m++)
-            for (int j = 0; j < tiles; j++) part[m][j] = _mm512_setzero_ps();
-        for (int s = 0; s < GROUP / 4; s++) {
-            __m512bh lo[2], hi[2];
-            for (int j = 0; j < tiles; j++) {
-                const uint8_t *wg = w + j * tile_bytes + g * GROUP_BYTES;
-                const __m512i bytes =
-                    _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * s)));
-                uint32_t fifth[2];
-                memcpy(fifth, wg + HIGH_BITS + 8 * s, 8);
-                const __m512i high = _mm512_srli_epi16(bytes, 4);
-                lo[j] = as_bh(_mm512_mask_permutexvar_epi16(
-                    _mm512_permutexvar_epi16(bytes, without), (__mmask32)fifth[0], bytes, with));
-                hi[j] = as_bh(_mm512_mask_permutexvar_epi16(
-                    _mm512_permutexvar_epi16(high, without), (__mmask32)fifth[1], high, with));
-            }
-            const int64_t k = g * GROUP + 4 * s;
-            for (int m = 0; m < rows; m++) {
-                int32_t pair0, pair1;
-                memcpy(&pair0, x + m * x_stride + k, 4);
-                memcpy(&pair1, x + m * x_stride + k + 2, 4);
-                const __m512bh x0 = as_bh(_mm512_set1_epi32(pair0));
-                const __m512bh x1 = as_bh(_mm512_set1_epi32(pair1));
-                for (int j = 0; j < tiles; j++) {
-                    part[m][j] = _mm512_dpbf16_ps(part[m][j], x0, lo[j]);
-                    part[m][j] = _mm512_dpbf16_ps(part[m][j], x1, hi[j]);
-                }
-            }
-        }
-        for (int j = 0; j < tiles; j++) {
-            const __m512 scale = _mm512_cvtph_ps(
-                _mm256_loadu_si256((const __m256i *)(scales + j * tile_scales + g * TILE)));
-            for (int m = 0; m < rows; m++)
-                total[m][j] = _mm512_fmadd_ps(part[m][j], scale, total[m][j]);
-        }
-    }
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < tiles; j++)
-            _mm256_storeu_si256((__m256i *)(y + m * y_stride + j * TILE),
-                                (__m256i)_mm512_cvtneps_pbh(total[m][j]));
-}
+#include "int5_avx512.h"
 #define INT5_KERNEL "avx512_bf16"
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -235,6 +166,9 @@ const char *int5_matmul_kind(void) { return INT5_KERNEL; }
 int int5_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                      const uint16_t *scales, uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
+#ifdef UNPACKED_ROWS
+    if (rows >= UNPACKED_ROWS) return unpacked_matmul(x, x_stride, w, scales, y, rows, n_out, groups);
+#endif
     float *xf = X_FP32 ? fp32_rows(x, x_stride, rows, k) : NULL;
     if (X_FP32 && xf == NULL) return 2;
     const int64_t tile_bytes = groups * GROUP_BYTES, tile_scales = groups * TILE;

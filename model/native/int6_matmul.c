@@ -35,91 +35,7 @@
 #define PAIRED_ROWS 16
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#include <immintrin.h>
-
-static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-
-/* bf16 of q - 32 for the six bits of each 16-bit lane of idx: the nibble in bits 0-3,
- * the top bits in 4-5 (from `top`, whose bits 4-5 are taken), the rest ignored. */
-static inline __attribute__((always_inline)) __m512bh six_bits(__m512i nibble, __m512i top,
-                                                               __m512i low_mask, __m512i below,
-                                                               __m512i above) {
-    /* 0xE4: a where the mask bit is set, else b. */
-    const __m512i idx = _mm512_ternarylogic_epi32(nibble, top, low_mask, 0xE4);
-    return as_bh(_mm512_permutex2var_epi16(below, idx, above));
-}
-
-static inline __attribute__((always_inline)) void tile_block(
-    const uint16_t *x, int64_t x_stride, const float *xf, int64_t supers, const uint8_t *w,
-    int64_t tile_bytes, const float *scales, int64_t tile_scales, void *y, int64_t y_stride,
-    const int rows, const int tiles, const int f32_out) {
-    (void)xf;
-    /* bf16 of q - 32: q 0..31 (-32..-1), then 32..63 (0..31); exact. */
-    const __m512 iota = _mm512_cvtepi32_ps(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
-    const __m512 sixteen = _mm512_set1_ps(16.0f);
-    const __m512i below = (__m512i)_mm512_cvtne2ps_pbh(
-        _mm512_sub_ps(iota, sixteen), _mm512_sub_ps(iota, _mm512_add_ps(sixteen, sixteen)));
-    const __m512i above = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(iota, sixteen), iota);
-    const __m512i low_mask = _mm512_set1_epi16(0x0F);
-    __m512 total[ROW_BLOCK][2];
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < tiles; j++) total[m][j] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < supers; g++) {
-        __m512 d[2];
-        for (int j = 0; j < tiles; j++) d[j] = _mm512_loadu_ps(scales + j * tile_scales + g * TILE);
-        for (int b = 0; b < SUBS; b++) {
-            __m512 part[ROW_BLOCK][2];
-            for (int m = 0; m < rows; m++)
-                for (int j = 0; j < tiles; j++) part[m][j] = _mm512_setzero_ps();
-            for (int u = 0; u < 2; u++) {
-                __m512bh wv[2][4];
-                for (int j = 0; j < tiles; j++) {
-                    const uint8_t *ws = w + j * tile_bytes + g * SUPER_BYTES + b * SUB_BYTES;
-                    const __m512i top = _mm512_cvtepu8_epi16(
-                        _mm256_loadu_si256((const __m256i *)(ws + HIGH_BITS + 32 * u)));
-                    const __m512i b0 = _mm512_cvtepu8_epi16(
-                        _mm256_loadu_si256((const __m256i *)(ws + 64 * u)));
-                    const __m512i b1 = _mm512_cvtepu8_epi16(
-                        _mm256_loadu_si256((const __m256i *)(ws + 64 * u + 32)));
-                    wv[j][0] = six_bits(b0, _mm512_slli_epi16(top, 4), low_mask, below, above);
-                    wv[j][1] = six_bits(_mm512_srli_epi16(b0, 4), _mm512_slli_epi16(top, 2),
-                                        low_mask, below, above);
-                    wv[j][2] = six_bits(b1, top, low_mask, below, above);
-                    wv[j][3] = six_bits(_mm512_srli_epi16(b1, 4), _mm512_srli_epi16(top, 2),
-                                        low_mask, below, above);
-                }
-                const int64_t k = g * SUPER + b * SUB + 8 * u;
-                for (int m = 0; m < rows; m++) {
-                    for (int p = 0; p < 4; p++) {
-                        int32_t pair; /* broadcast from memory: no shuffle */
-                        memcpy(&pair, x + m * x_stride + k + 2 * p, 4);
-                        const __m512bh xp = as_bh(_mm512_set1_epi32(pair));
-                        for (int j = 0; j < tiles; j++)
-                            part[m][j] = _mm512_dpbf16_ps(part[m][j], xp, wv[j][p]);
-                    }
-                }
-            }
-            for (int j = 0; j < tiles; j++) {
-                const uint8_t *c =
-                    w + j * tile_bytes + g * SUPER_BYTES + b * SUB_BYTES + SUB_SCALES;
-                const __m512 scale = _mm512_mul_ps(
-                    d[j], _mm512_cvtepi32_ps(
-                              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))));
-                for (int m = 0; m < rows; m++)
-                    total[m][j] = _mm512_fmadd_ps(part[m][j], scale, total[m][j]);
-            }
-        }
-    }
-    for (int m = 0; m < rows; m++)
-        for (int j = 0; j < tiles; j++) {
-            if (f32_out)
-                _mm512_storeu_ps((float *)y + m * y_stride + j * TILE, total[m][j]);
-            else
-                _mm256_storeu_si256((__m256i *)((uint16_t *)y + m * y_stride + j * TILE),
-                                    (__m256i)_mm512_cvtneps_pbh(total[m][j]));
-        }
-}
+#include "int6_avx512.h"
 #define INT6_KERNEL "avx512_bf16"
 
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -270,6 +186,10 @@ static int int6_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                        const float *scales, void *y, int64_t rows, int64_t n_out, int64_t k,
                        const int f32_out) {
     const int64_t supers = k / SUPER, tiles = n_out / TILE;
+#ifdef UNPACKED_ROWS
+    if (rows >= UNPACKED_ROWS)
+        return unpacked_matmul(x, x_stride, w, scales, y, rows, n_out, supers, f32_out);
+#endif
     float *xf = X_FP32 ? fp32_rows(x, x_stride, rows, k) : NULL;
     if (X_FP32 && xf == NULL) return 2;
     const int64_t tile_bytes = supers * SUPER_BYTES, tile_scales = supers * TILE;

@@ -33,10 +33,18 @@ static inline __m512bh int8_to_bf16(const uint8_t *p) {
     return _mm512_cvtne2ps_pbh(high, low);
 }
 
-static inline __attribute__((always_inline)) void tile_block(
-    const uint16_t *x, int64_t x_stride, const float *xf, int64_t groups, const uint8_t *w,
-    const uint16_t *scales, float *y, int64_t y_stride, const int rows) {
-    (void)xf;
+/* A tile's weights whole as bf16, as tile_block_from reads them: per group, its 16 pairs
+ * of K values. */
+static void unpack_tile(const uint8_t *w, int64_t groups, __m512bh *out) {
+    for (int64_t i = 0; i < groups * (GROUP / 2); i++) out[i] = int8_to_bf16(w + 32 * i);
+}
+
+/* The weights converted here, pair by pair, or read from `unpacked` (unpack_tile's output;
+ * NULL: convert): the same products in the same order either way. */
+static inline __attribute__((always_inline)) void tile_block_from(
+    const uint16_t *x, int64_t x_stride, int64_t groups, const uint8_t *w,
+    const uint16_t *scales, float *y, int64_t y_stride, const int rows,
+    const __m512bh *unpacked) {
     __m512 total[ROW_BLOCK];
     for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
@@ -44,7 +52,8 @@ static inline __attribute__((always_inline)) void tile_block(
         for (int m = 0; m < rows; m++) part[m] = _mm512_setzero_ps();
         const uint8_t *wg = w + g * TILE * GROUP;
         for (int p = 0; p < GROUP / 2; p++) {
-            const __m512bh wp = int8_to_bf16(wg + 32 * p);
+            const __m512bh wp = unpacked != NULL ? unpacked[g * (GROUP / 2) + p]
+                                                 : int8_to_bf16(wg + 32 * p);
             const int64_t k = g * GROUP + 2 * p;
             for (int m = 0; m < rows; m++) {
                 int32_t pair;
@@ -57,6 +66,42 @@ static inline __attribute__((always_inline)) void tile_block(
         for (int m = 0; m < rows; m++) total[m] = _mm512_fmadd_ps(part[m], scale, total[m]);
     }
     for (int m = 0; m < rows; m++) _mm512_storeu_ps(y + m * y_stride, total[m]);
+}
+
+static inline __attribute__((always_inline)) void tile_block(
+    const uint16_t *x, int64_t x_stride, const float *xf, int64_t groups, const uint8_t *w,
+    const uint16_t *scales, float *y, int64_t y_stride, const int rows) {
+    (void)xf;
+    tile_block_from(x, x_stride, groups, w, scales, y, y_stride, rows, NULL);
+}
+
+/* From this many rows on, each tile is converted to bf16 once, into a buffer of its own
+ * thread, for all the blocks of rows, instead of once per block of 8 rows. */
+#define UNPACKED_ROWS 64
+
+/* The matmul from UNPACKED_ROWS rows on, each thread with a buffer of its own. Returns 0,
+ * or 2 when out of memory. */
+static int unpacked_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                           const uint16_t *scales, float *y, int64_t rows, int64_t n_out,
+                           int64_t groups) {
+    const int64_t tiles = n_out / TILE, k = groups * GROUP, units = groups * (GROUP / 2);
+    const int threads = omp_get_max_threads();
+    __m512bh *buffers = aligned_alloc(64, sizeof(__m512bh) * units * threads);
+    if (buffers == NULL) return 2;
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tiles; t++) {
+        __m512bh *unpacked = buffers + units * omp_get_thread_num();
+        unpack_tile(w + t * k * TILE, groups, unpacked);
+        for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
+#define BLOCK(r)                                                                          \
+    tile_block_from(x + m0 * x_stride, x_stride, groups, w + t * k * TILE,                \
+                    scales + t * groups * TILE, y + m0 * n_out + t * TILE, n_out, r, unpacked)
+            FOR_ROW_BLOCK(rows - m0, BLOCK)
+#undef BLOCK
+        }
+    }
+    free(buffers);
+    return 0;
 }
 #define INT8_KERNEL "avx512_bf16"
 
@@ -148,6 +193,9 @@ const char *int8_matmul_kind(void) { return INT8_KERNEL; }
 int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                       const uint16_t *scales, float *y, int64_t rows, int64_t n_out, int64_t k) {
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
+#ifdef UNPACKED_ROWS
+    if (rows >= UNPACKED_ROWS) return unpacked_matmul(x, x_stride, w, scales, y, rows, n_out, groups);
+#endif
     float *xf = X_FP32 ? fp32_rows(x, x_stride, rows, k) : NULL;
     if (X_FP32 && xf == NULL) return 2;
 #define BLOCK(n)                                                                           \

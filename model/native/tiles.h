@@ -4,6 +4,10 @@
 #ifndef LLAMASERVE_TILES_H
 #define LLAMASERVE_TILES_H
 
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
 #define TILE 16
 #define GROUP 32
 #define ROW_BLOCK 8
@@ -45,5 +49,35 @@
             }                                                                             \
         }                                                                                 \
     }
+
+/* The loop of a kernel that unpacks each pair of adjacent tiles once for all its blocks of
+ * rows (from some 32 rows on, where unpacking per block of 8 rows costs a sizeable part of
+ * the instructions): each thread owns a buffer of `buffer_bytes` (a multiple of 64). With
+ * t, n (1 or 2 tiles) and `buffer` in scope, UNPACK fills the buffer, then PAIR(r) or
+ * SINGLE(r) runs each block (m0 its first row). `status` becomes 2 when out of memory. */
+#define FOR_UNPACKED_TILE_PAIRS(tiles, rows, buffer_bytes, status, UNPACK, PAIR, SINGLE)    \
+    do {                                                                                 \
+        const int threads_ = omp_get_max_threads();                                      \
+        char *buffers_ = aligned_alloc(64, (size_t)threads_ * (buffer_bytes));          \
+        if (buffers_ == NULL) {                                                          \
+            (status) = 2;                                                                \
+            break;                                                                       \
+        }                                                                                \
+        _Pragma("omp parallel for schedule(static) num_threads(threads_)")              \
+        for (int64_t pair = 0; pair < ((tiles) + 1) / 2; pair++) {                        \
+            const int64_t t = 2 * pair;                                                   \
+            const int n = t + 1 < (tiles) ? 2 : 1;                                        \
+            void *buffer = buffers_ + (size_t)omp_get_thread_num() * (buffer_bytes);      \
+            UNPACK;                                                                      \
+            for (int64_t m0 = 0; m0 < (rows); m0 += ROW_BLOCK) {                          \
+                if (n == 2) {                                                            \
+                    FOR_ROW_BLOCK((rows) - m0, PAIR)                                     \
+                } else {                                                                 \
+                    FOR_ROW_BLOCK((rows) - m0, SINGLE)                                   \
+                }                                                                        \
+            }                                                                            \
+        }                                                                                \
+        free(buffers_);                                                                  \
+    } while (0)
 
 #endif
