@@ -15,8 +15,8 @@ from model.quantized_linear import INT4_GROUP
 from tests.native_builds import ISAS, kernel_build, library_at
 
 SHAPES = [(576, 960), (64, 32), (64, 48)]  # (in, out); 48: an odd count of tiles
-# Around the blocks of 8 rows; from 16, blocks of two tiles; from 32, each pair of tiles
-# unpacked once for all the blocks.
+# Around the blocks of 8 rows; from 8 (AVX-512) or 16, blocks of two tiles; from 32, each
+# pair of tiles unpacked once for all the blocks.
 ROWS = [1, 7, 8, 9, 17, 33]
 
 
@@ -80,7 +80,7 @@ def test_a_row_alone_equals_it_in_a_batch(kernel) -> None:
     x = (x * torch.exp2(torch.randint(-12, 12, x.shape, generator=generator))).bfloat16()
     w, scales = layer.weight_int5, layer.scales
     alone = [kernel(x[row : row + 1].clone(), w, scales, 960)[0] for row in range(33)]
-    # Blocks of every size; tile pairs from 16 rows, unpacked once for all blocks from 32.
+    # Blocks of every size; tile pairs from 8 or 16 rows, unpacked once for all from 32.
     for rows in (*range(2, 10), 16, 17, 33):
         batch = kernel(x[:rows].clone(), w, scales, 960)
         for row in range(rows):

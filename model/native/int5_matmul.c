@@ -24,8 +24,6 @@
 #define GROUP_BYTES 320
 #define HIGH_BITS 256 /* where a group's fifth bits start */
 
-/* Blocks take two tiles from this many rows on (as in int4_matmul.c). */
-#define PAIRED_ROWS 16
 
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -156,6 +154,10 @@ static inline void tile_block(const uint16_t *x, int64_t x_stride, const float *
 #endif
 #ifndef X_FP32
 #define X_FP32 0
+#endif
+/* Blocks take two tiles from this many rows on (as in int4_matmul.c). */
+#ifndef PAIRED_ROWS
+#define PAIRED_ROWS 16
 #endif
 
 const char *int5_matmul_kind(void) { return INT5_KERNEL; }
