@@ -76,17 +76,19 @@ def test_matches_fp32_on_the_q6_k_weights(isa, in_features, out_features, logits
         assert relative_error(y, F.linear(x.float(), weight)) < (1e-5 if logits else 4e-3)
 
 
-def test_a_row_alone_equals_it_in_a_batch(isa) -> None:
-    layer = Int6Linear(512, 96, "cpu")
+@pytest.mark.parametrize("logits", [False, True])
+def test_a_row_alone_equals_it_in_a_batch(isa, logits) -> None:
+    layer = Int6Linear(512, 96, "cpu", logits=logits)
     layer.load_rows(0, q6_k_weight(96, 512, seed=2))
-    kernel = kernel_build(NativeInt6Matmul, isa)
+    kernel = kernel_build(NativeInt6Logits if logits else NativeInt6Matmul, isa)
     generator = torch.Generator().manual_seed(3)
     # Values over many octaves, so that float32 sums round and their order shows.
     x = torch.randn(33, 512, generator=generator)
     x = (x * torch.exp2(torch.randint(-12, 12, x.shape, generator=generator))).bfloat16()
     w, scales = layer.weight_int6, layer.scales
     alone = [kernel(x[row : row + 1].clone(), w, scales, 96)[0] for row in range(33)]
-    # Blocks of every size; tile pairs from 16 rows, unpacked once for all blocks from 32.
+    # Blocks of every size; tile pairs from 16 rows (8 for logits with AVX-512 BF16),
+    # unpacked once for all blocks from 32.
     for rows in (*range(2, 10), 16, 17, 33):
         batch = kernel(x[:rows].clone(), w, scales, 96)
         for row in range(rows):

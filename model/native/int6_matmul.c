@@ -175,6 +175,9 @@ static inline void tile_block(const uint16_t *x, int64_t x_stride, const float *
 #ifndef X_FP32
 #define X_FP32 0
 #endif
+#ifndef PAIRED_LOGITS_ROWS
+#define PAIRED_LOGITS_ROWS PAIRED_ROWS
+#endif
 
 const char *int6_matmul_kind(void) { return INT6_KERNEL; }
 const char *int6_logits_kind(void) { return INT6_KERNEL; }
@@ -200,7 +203,7 @@ static int int6_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                (char *)y + (m0 * n_out + t * TILE) * width, n_out, n, pair, f32_out)
 #define PAIR(n) BLOCK(n, 2)
 #define SINGLE(n) BLOCK(n, 1)
-    if (rows >= PAIRED_ROWS) {
+    if (rows >= (f32_out ? PAIRED_LOGITS_ROWS : PAIRED_ROWS)) {
         FOR_TILE_PAIRS_AND_ROW_BLOCKS(tiles, rows, PAIR, SINGLE)
     } else {
         FOR_TILES_AND_ROW_BLOCKS(tiles, rows, SINGLE)
