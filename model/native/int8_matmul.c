@@ -33,15 +33,17 @@ static inline __m512bh int8_to_bf16(const uint8_t *p) {
     return _mm512_cvtne2ps_pbh(high, low);
 }
 
-/* A tile's weights whole as bf16, as tile_block_from reads them: per group, its 16 pairs
- * of K values. */
-static void unpack_tile(const uint8_t *w, int64_t groups, __m512bh *out) {
-    for (int64_t i = 0; i < groups * (GROUP / 2); i++) out[i] = int8_to_bf16(w + 32 * i);
+/* `tiles` adjacent tiles (tile_bytes apart) whole as bf16, as tile_block_from reads them:
+ * per group and pair of K values, the first tile's, then the second's. */
+static void unpack_tiles(const uint8_t *w, int64_t tile_bytes, int64_t groups, int tiles,
+                         __m512bh *out) {
+    for (int64_t i = 0; i < groups * (GROUP / 2); i++)
+        for (int j = 0; j < tiles; j++) out[2 * i + j] = int8_to_bf16(w + j * tile_bytes + 32 * i);
 }
 
 /* `rows` rows against `tiles` (1 or 2) adjacent tiles, `tile_bytes` apart, each broadcast
  * pair of x serving both; the weights converted here, pair by pair, or read from
- * `unpacked` (unpack_tile's output, one tile; NULL: convert). A (row, column)'s products
+ * `unpacked` (unpack_tiles' output; NULL: convert). A (row, column)'s products
  * and their order are the same whatever the block's shape, and either way. */
 static inline __attribute__((always_inline)) void tile_block_from(
     const uint16_t *x, int64_t x_stride, int64_t groups, const uint8_t *w, int64_t tile_bytes,
@@ -58,7 +60,7 @@ static inline __attribute__((always_inline)) void tile_block_from(
             __m512bh wp[2];
             for (int j = 0; j < tiles; j++)
                 wp[j] = unpacked != NULL
-                            ? unpacked[g * (GROUP / 2) + p]
+                            ? unpacked[2 * (g * (GROUP / 2) + p) + j]
                             : int8_to_bf16(w + j * tile_bytes + g * TILE * GROUP + 32 * p);
             const int64_t k = g * GROUP + 2 * p;
             for (int m = 0; m < rows; m++) {
@@ -93,41 +95,32 @@ static inline __attribute__((always_inline)) void tile_block(
  * where the weights stream from memory, pairs were slower. */
 #define PAIRED_ROWS 8
 
-static inline __attribute__((always_inline)) void pair_block(
-    const uint16_t *x, int64_t x_stride, int64_t groups, const uint8_t *w, int64_t tile_bytes,
-    const uint16_t *scales, int64_t tile_scales, float *y, int64_t y_stride, const int rows) {
-    tile_block_from(x, x_stride, groups, w, tile_bytes, scales, tile_scales, y, y_stride, rows,
-                    2, NULL);
-}
-
-/* From this many rows on, each tile is converted to bf16 once, into a buffer of its own
- * thread, for all the blocks of rows, instead of once per block of 8 rows. */
+/* From this many rows on, each pair of tiles is converted to bf16 once, into a buffer of
+ * its thread, for all the blocks of rows, instead of once per block of 8 rows (at 32 rows
+ * it was no faster). */
 #define UNPACKED_ROWS 64
 
-/* The matmul from UNPACKED_ROWS rows on, each thread with a buffer of its own. Returns 0,
- * or 2 when out of memory. */
+/* The matmul from UNPACKED_ROWS rows on. Returns 0, or 2 when out of memory. */
 static int unpacked_matmul(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                            const uint16_t *scales, float *y, int64_t rows, int64_t n_out,
                            int64_t groups) {
-    const int64_t tiles = n_out / TILE, k = groups * GROUP, units = groups * (GROUP / 2);
-    const int threads = omp_get_max_threads();
-    __m512bh *buffers = aligned_alloc(64, sizeof(__m512bh) * units * threads);
-    if (buffers == NULL) return 2;
-#pragma omp parallel for schedule(static) num_threads(threads)
-    for (int64_t t = 0; t < tiles; t++) {
-        __m512bh *unpacked = buffers + units * omp_get_thread_num();
-        unpack_tile(w + t * k * TILE, groups, unpacked);
-        for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
-#define BLOCK(r)                                                                          \
-    tile_block_from(x + m0 * x_stride, x_stride, groups, w + t * k * TILE, 0,             \
-                    scales + t * groups * TILE, 0, y + m0 * n_out + t * TILE, n_out, r, 1,      \
-                    unpacked)
-            FOR_ROW_BLOCK(rows - m0, BLOCK)
+    const int64_t tiles = n_out / TILE, tile_bytes = groups * GROUP * TILE;
+    const int64_t tile_scales = groups * TILE;
+    int status = 0;
+#define UNPACK unpack_tiles(w + t * tile_bytes, tile_bytes, groups, n, buffer)
+#define BLOCK(r, n)                                                                        \
+    tile_block_from(x + m0 * x_stride, x_stride, groups, w + t * tile_bytes, tile_bytes,   \
+                    scales + t * tile_scales, tile_scales, y + m0 * n_out + t * TILE, n_out, \
+                    r, n, buffer)
+#define PAIR(r) BLOCK(r, 2)
+#define SINGLE(r) BLOCK(r, 1)
+    FOR_UNPACKED_TILE_PAIRS(tiles, rows, sizeof(__m512bh) * groups * GROUP, status, UNPACK,
+                            PAIR, SINGLE);
+#undef SINGLE
+#undef PAIR
 #undef BLOCK
-        }
-    }
-    free(buffers);
-    return 0;
+#undef UNPACK
+    return status;
 }
 #define INT8_KERNEL "avx512_bf16"
 
@@ -229,8 +222,9 @@ int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                w + t * k * TILE, scales + t * groups * TILE, y + m0 * n_out + t * TILE, n_out, n)
 #ifdef PAIRED_ROWS
 #define PAIR(n)                                                                            \
-    pair_block(x + m0 * x_stride, x_stride, groups, w + t * k * TILE, k * TILE,             \
-               scales + t * groups * TILE, groups * TILE, y + m0 * n_out + t * TILE, n_out, n)
+    tile_block_from(x + m0 * x_stride, x_stride, groups, w + t * k * TILE, k * TILE,        \
+                    scales + t * groups * TILE, groups * TILE, y + m0 * n_out + t * TILE,   \
+                    n_out, n, 2, NULL)
     if (rows >= PAIRED_ROWS) {
         FOR_TILE_PAIRS_AND_ROW_BLOCKS(tiles, rows, PAIR, BLOCK)
         free(xf);
