@@ -26,6 +26,7 @@ from model.native.layer import (
     INT4,
     INT4_A8,
     INT5,
+    INT5_A8,
     INT6,
     INT8_GROUPS,
     NativeDecoderLayer,
@@ -169,7 +170,7 @@ def _native_weight(proj: nn.Module) -> NativeWeight | None:
     if isinstance(proj, Int8GroupLinear) and not proj.fp32_output:
         return proj.weight_int8, proj.scales, INT8_GROUPS
     if isinstance(proj, Int5Linear):
-        return proj.weight_int5, proj.scales, INT5
+        return proj.weight_int5, proj.scales, INT5_A8 if proj.int8_activations else INT5
     if isinstance(proj, Int6Linear) and not proj.logits:
         return proj.weight_int6, proj.scales, INT6
     return None

@@ -39,17 +39,21 @@ def layer_quantizations(
     """The layers ('layers.3.down_proj') whose quantization is not `fmt.quantization`,
     with their own; `wide`: those stored in more than 4 bits, `q5_0` and `q6_k`: those all
     Q5_0 or all Q6_K; `chosen`: the format was `auto`'s choice (a quantization asked for by
-    name is kept)."""
+    name is kept, but for w4a8's wider layers). In w4a8 Q5_0 layers take w5a8: their own
+    format, with the model's int8 activations."""
     own = dict.fromkeys(wide, fmt.wide) if fmt.wide else {}
     native = device.type == "cpu" and cpu_kernels.allows_native()
-    if not (chosen and native and int4_fits(config)):
+    int8_activations = fmt.quantization == "w4a8" and fmt.wide is not None
+    if not ((chosen or int8_activations) and native and int4_fits(config)):
         return own
 
     def in_int8g(keys: frozenset[str]) -> list[str]:
         return [key for key in keys if own.get(key, fmt.quantization) == INT8G.quantization]
 
     q5 = in_int8g(q5_0)
-    if q5 and int5_pays(config, device):
+    if q5 and int8_activations:
+        own.update(dict.fromkeys(q5, "w5a8"))
+    elif q5 and int5_pays(config, device):
         own.update(dict.fromkeys(q5, INT5.quantization))
     q6 = [key for key in in_int8g(q6_k) if _shape(config, key)[0] % INT6_SUPER_BLOCK == 0]
     for in_features, out_features in sorted({_shape(config, key) for key in q6}):

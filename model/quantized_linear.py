@@ -31,7 +31,7 @@ FP16_LARGEST = 65504.0
 STAGE_ROWS = 256
 QUANTIZATIONS = ("int8", "int8g", "int4", "w4a8")
 # Formats the loader gives single layers, never a whole model (no flag asks for them).
-LAYER_ONLY_QUANTIZATIONS = ("int5", "int6")
+LAYER_ONLY_QUANTIZATIONS = ("int5", "w5a8", "int6")
 
 
 def fp16_scales(scales: torch.Tensor) -> torch.Tensor:
@@ -269,16 +269,17 @@ def quantized_linear(
     kernel that rounds them to int8 first (llama.cpp's arithmetic for a Q4 GGUF), faster
     where the CPU has AVX-512 VNNI and less exact. int5 and int6 (GGUF Q5_0's and Q6_K's own
     formats) are no choice of the flags: the loader takes them for Q5_0 and Q6_K layers
-    (LAYER_ONLY_QUANTIZATIONS)."""
+    (LAYER_ONLY_QUANTIZATIONS), and w5a8 (int5 with int8 activations) for Q5_0 layers of a
+    model in w4a8."""
     if quantization == "int8":
         return Int8Linear(in_features, out_features, device)
     if quantization == "int8g":
         return Int8GroupLinear(in_features, out_features, device, fp32_output=False)
-    if quantization == "int5":
+    if quantization in ("int5", "w5a8"):
         # Imported here: model/int5_linear.py builds on this module's QuantizedLinear.
         from model.int5_linear import Int5Linear
 
-        return Int5Linear(in_features, out_features, device)
+        return Int5Linear(in_features, out_features, device, quantization == "w5a8")
     if quantization == "int6":
         from model.int6_linear import Int6Linear
 

@@ -52,7 +52,7 @@ class WeightFormat:
         if self.wide is not None:
             return 6  # between its two formats: more compact than `wide` alone
         if self.quantization is not None:
-            return {"int8": 8, "int8g": 8, "int6": 6, "int5": 5, "int4": 4, "w4a8": 4}[
+            return {"int8": 8, "int8g": 8, "int6": 6, "int5": 5, "w5a8": 5, "int4": 4, "w4a8": 4}[
                 self.quantization
             ]
         return torch.finfo(self.dtype).bits
@@ -95,6 +95,10 @@ def candidate_formats(
         quant = None if quantization == "none" else quantization
         if quant is not None and device.type != "cpu":
             raise UnsupportedFormatError(f"--quantization {quant} runs on the CPU only")
+        if quant == "w4a8" and some_4_bit and (checkpoint_bits or 4) > 4:
+            # A Q4_K_M file's wider layers keep their own precision (Q5_0 ones run as
+            # w5a8: model/layer_formats.py) rather than being rounded to 4 bits.
+            return [WeightFormat(torch.bfloat16, quant, wide="int8g")]
         if dtype != "auto":
             return [WeightFormat(DTYPES[dtype], quant)]
         # The packed kernels take bf16 activations: a bf16 model hands them over uncast.
@@ -115,7 +119,8 @@ def candidate_formats(
     # other 4- to 6-bit types within a sixteenth of their own step: what a Q4_K_M file's mix
     # of Q4_K, Q5_0 and Q6_K layers runs in when timing prefers it to bf16.
     # A file mixing 4-bit layers with wider ones (Q4_K_M) may run each in its own: int4
-    # where it is exact, grouped int8 elsewhere.
+    # where it is exact, grouped int8 elsewhere; where int8 activations are timed (AVX2),
+    # w4a8 too, its Q5_0 layers then in w5a8 (model/layer_formats.py).
     if checkpoint_bits <= 4:
         int4 = [WeightFormat(torch.bfloat16, "int4")]
         if int8_activations_in_auto():
@@ -125,7 +130,10 @@ def candidate_formats(
         int8g = WeightFormat(torch.bfloat16, "int8g")
         if not some_4_bit:
             return [*floats, int8g]
-        return [*floats, int8g, WeightFormat(torch.bfloat16, "int4", wide="int8g")]
+        mixed = [WeightFormat(torch.bfloat16, "int4", wide="int8g")]
+        if int8_activations_in_auto():
+            mixed.append(WeightFormat(torch.bfloat16, "w4a8", wide="int8g"))
+        return [*floats, int8g, *mixed]
     return floats
 
 

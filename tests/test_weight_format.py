@@ -36,6 +36,7 @@ FP32, BF16 = WeightFormat(torch.float32), WeightFormat(torch.bfloat16)
 INT8, INT4 = WeightFormat(torch.bfloat16, "int8"), WeightFormat(torch.bfloat16, "int4")
 W4A8, INT8G = WeightFormat(torch.bfloat16, "w4a8"), WeightFormat(torch.bfloat16, "int8g")
 MIXED = WeightFormat(torch.bfloat16, "int4", wide="int8g")  # int4 where the file is 4-bit
+MIXED_W4A8 = WeightFormat(torch.bfloat16, "w4a8", wide="int8g")
 
 
 def test_the_fastest_candidate_wins() -> None:
@@ -94,9 +95,15 @@ def test_auto_also_times_int8_activations_where_int4_has_no_bf16_products(cpu_is
     expected = [FP32, BF16, INT4] if bf16_products else [FP32, BF16, INT4, W4A8]
     assert candidate_formats("auto", "auto", 4, CPU) == expected
     assert W4A8 not in candidate_formats("auto", "auto", 8, CPU)
+    # A Q4_K_M file: the same, with its wider layers in their own formats.
+    mixed = candidate_formats("auto", "auto", 8, CPU, some_4_bit=True)
+    assert (MIXED_W4A8 in mixed) == (not bf16_products) and MIXED in mixed
+    # Asked for, w4a8 keeps such a file's wider layers as auto does.
+    assert candidate_formats("auto", "w4a8", 8, CPU, some_4_bit=True) == [MIXED_W4A8]
 
 
-def test_a_file_mixing_4_bit_and_wider_layers_may_run_each_in_its_own() -> None:
+def test_a_file_mixing_4_bit_and_wider_layers_may_run_each_in_its_own(monkeypatch) -> None:
+    monkeypatch.setattr(weight_format, "int8_activations_in_auto", lambda: False)
     # A Q4_K_M file: Q4_K layers beside Q6_K ones.
     assert candidate_formats("auto", "auto", 6, CPU, some_4_bit=True) == [
         FP32,
@@ -248,3 +255,30 @@ def test_a_mixed_gguf_runs_its_4_bit_layers_in_int4_and_the_rest_in_int8g(
         return torch.log_softmax(model(batch, cache).float(), dim=-1)
 
     assert (logprobs(mixed) - logprobs(exact)).abs().max().item() < 0.1
+
+
+def test_w4a8_on_a_mixed_gguf_keeps_its_wider_layers_and_rounds_every_activation(
+    tmp_path,
+) -> None:
+    """Asked for on a Q4_K_M-like file: its 4-bit layers in int4 and its Q5_0 ones in int5,
+    each on the kernel that rounds the activations to int8 (w5a8 for Q5_0, llama.cpp's
+    arithmetic for both); Q8_0 stays in grouped int8. Nothing is rounded to 4 bits that the
+    file held in more."""
+    path = write_mixed_gguf(tmp_path)
+    w4a8 = load_model(path, dtype="auto", quantization="w4a8", progress=False).model
+    assert layer_kinds(w4a8) == [
+        [Int8GroupLinear, Int4Linear, Int4Linear, Int4Linear],
+        [Int4Linear, Int4Linear, Int5Linear, Int5Linear],
+    ]
+    projections = [proj for layer in w4a8.layers for proj in layer.modules()]
+    assert all(p.kernel == "native_a8" for p in projections if isinstance(p, Int4Linear))
+    assert all(p.int8_activations for p in projections if isinstance(p, Int5Linear))
+    exact = load_model(path, dtype="float32", quantization="none", progress=False).model
+    ids = list(range(3, 60, 2))
+
+    def logprobs(model: Llama) -> torch.Tensor:
+        cache = PagedKVCache.allocate(model.config, 4, 16, model.embed_tokens.weight.dtype)
+        batch = Batch.build([ids], [0], [[0, 1]], 16, all_logits=True)
+        return torch.log_softmax(model(batch, cache).float(), dim=-1)
+
+    assert (logprobs(w4a8) - logprobs(exact)).abs().max().item() < 0.2

@@ -39,6 +39,7 @@ SOURCES = (
     "int4_matmul.c",
     "int4_matmul_a8.c",
     "int5_matmul.c",
+    "int5_matmul_a8.c",
     "int6_matmul.c",
     "int6_grid.c",
     "int8_matmul.c",
@@ -53,6 +54,7 @@ HEADERS = (
     "paged_pairs_avx2.h",
     "int5_avx512.h",
     "int6_avx512.h",
+    "int8_rows.h",
 )
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every

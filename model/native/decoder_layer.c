@@ -36,11 +36,14 @@ int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
                      float *y, int64_t rows, int64_t n_out, int64_t k);
 int int5_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *scales,
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
+int int5_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                        const uint16_t *scales, uint16_t *y, int64_t rows, int64_t n_out,
+                        int64_t k);
 int int6_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 
 /* How a projection's weight is stored and multiplied. */
-enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2, INT5 = 3, INT6 = 4 };
+enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2, INT5 = 3, INT6 = 4, INT5_A8 = 5 };
 
 typedef struct {
     const uint8_t *weight; /* int4_matmul.c's, int5_, int6_ or int8_matmul.c's layout */
@@ -58,6 +61,8 @@ static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, ui
         return int4_matmul_a8_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == INT5)
         return int5_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
+    if (w->kind == INT5_A8)
+        return int5_matmul_a8_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == INT6)
         return int6_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     float *out = malloc(sizeof(float) * (rows > 0 ? rows : 1) * n_out);

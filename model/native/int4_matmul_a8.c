@@ -1,14 +1,12 @@
 /* int4 weights times int8 activations for the CPU: y[M, N] = x[M, K] W[N, K]^T, x and y
  * bf16, W in int4_matmul.c's tiled layout (the same bytes: a layer can run on either).
  *
- * Each row of x is quantised on entry, in groups of 32 along K: x ~ xq * d with xq in
- * -127..127 and d = max |x| / 127 per (row, group), as llama.cpp's Q8_0 does. A group's
- * sum of q * xq is then exact in int32, and AVX-512 VNNI's vpdpbusd takes 64 such
- * multiply-adds per instruction, twice vdpbf16ps's 32: the products run at up to twice
- * the bf16 kernel's speed once a block is compute-bound, at the cost of rounding x to 8
- * bits. Per (row, group): sum w x = scale d (sum q xq - 8 sum xq) + zero sum x, with sum x
- * taken from the bf16 x itself. A row is quantised and summed alone, in the same order
- * whatever the number of rows, so its result does not depend on its batch.
+ * Each row of x is rounded to int8 on entry (int8_rows.h). A group's sum of q * xq is then
+ * exact in int32, and AVX-512 VNNI's vpdpbusd takes 64 such multiply-adds per
+ * instruction, twice vdpbf16ps's 32: the products run at up to twice the bf16 kernel's
+ * speed once a block is compute-bound, at the cost of rounding x to 8 bits. Per (row,
+ * group): sum w x = scale d (sum q xq - 8 sum xq) + zero sum x, with sum x taken from the
+ * bf16 x itself.
  *
  * vpdpbusd sums four byte products per 32-bit lane, one lane per output column. The
  * packed byte 2 i + e of a step holds K offsets e (low nibble) and 2 + e (high nibble) of
@@ -17,20 +15,13 @@
  * vpmaddubsw (byte products summed in 16-bit pairs) on its own layout; other CPUs take a
  * portable loop.
  */
-#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "bf16.h"
+#include "int8_rows.h"
 #include "tiles.h"
-
-/* Per (row, group) constants of the quantised x. */
-typedef struct {
-    float d;      /* the scale of xq */
-    float offset; /* -8 d sum xq: the weights' offset of 8, applied once per group */
-    float sum;    /* sum of x itself, for the zeros */
-} group_constants;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -65,7 +56,7 @@ static inline __attribute__((always_inline)) void tile_block(
         for (int m = 0; m < rows; m++) {
             const group_constants *cg = c + m * groups + g;
             __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(cg->d),
-                                          _mm512_set1_ps(cg->offset));
+                                          _mm512_set1_ps(-8.0f * cg->dsum));
             total[m] = _mm512_fmadd_ps(part, scale, total[m]);
             total[m] = _mm512_fmadd_ps(_mm512_set1_ps(cg->sum), zero, total[m]);
         }
@@ -132,7 +123,7 @@ static inline __attribute__((always_inline)) void rows_pass(
         const __m256 zero_odd = _mm256_castsi256_ps(_mm256_and_si256(zeros, high_half));
         for (int m = 0; m < rows; m++) {
             const group_constants *cg = c + m * groups + g;
-            const __m256 d = _mm256_set1_ps(cg->d), offset = _mm256_set1_ps(cg->offset);
+            const __m256 d = _mm256_set1_ps(cg->d), offset = _mm256_set1_ps(-8.0f * cg->dsum);
             const __m256 sum = _mm256_set1_ps(cg->sum);
             const __m256 part_even = _mm256_fmadd_ps(_mm256_cvtepi32_ps(even[m]), d, offset);
             const __m256 part_odd = _mm256_fmadd_ps(_mm256_cvtepi32_ps(odd[m]), d, offset);
@@ -180,7 +171,7 @@ static __attribute__((noinline)) void row_group(const int32_t wq[GROUP][TILE], c
     for (int j = 0; j < GROUP; j++)
         for (int i = 0; i < TILE; i++) dot[i] += wq[j][i] * xg[j];
     for (int i = 0; i < TILE; i++) {
-        const float part = (float)dot[i] * cg->d + cg->offset;
+        const float part = (float)dot[i] * cg->d - 8.0f * cg->dsum;
         total[i] += part * from_bf16(scale[i]) + cg->sum * from_bf16(zero[i]);
     }
 }
@@ -217,53 +208,15 @@ static inline void tile_block(const int8_t *xq, int64_t k, const group_constants
 
 const char *int4_matmul_a8_kind(void) { return INT4_A8_KERNEL; }
 
-/* A row's K values in groups of 32, as xq (K order where the loop above says so, else K
- * offsets 0, 2, 1, 3 in each four, as vpdpbusd's lanes hold them) and its
- * group constants; written as loops the compiler vectorises. */
-static void quantise_row(const uint16_t *x, int64_t groups, int8_t *xq, group_constants *c) {
-    for (int64_t g = 0; g < groups; g++) {
-        float v[GROUP], top = 0.0f, sum = 0.0f;
-        for (int j = 0; j < GROUP; j++) v[j] = from_bf16(x[g * GROUP + j]);
-        for (int j = 0; j < GROUP; j++) {
-            sum += v[j];
-            top = fmaxf(top, fabsf(v[j]));
-        }
-        const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-        int32_t q[GROUP], total = 0;
-        for (int j = 0; j < GROUP; j++) q[j] = (int32_t)nearbyintf(v[j] * inverse);
-        for (int j = 0; j < GROUP; j++) total += q[j];
-        if (XQ_IN_K_ORDER) {
-            for (int j = 0; j < GROUP; j++) xq[g * GROUP + j] = (int8_t)q[j];
-        } else {
-            uint32_t fours[GROUP / 4];
-            for (int f = 0; f < GROUP / 4; f++)
-                fours[f] = (uint32_t)(q[4 * f] & 255) | (uint32_t)(q[4 * f + 2] & 255) << 8 |
-                           (uint32_t)(q[4 * f + 1] & 255) << 16 |
-                           (uint32_t)(q[4 * f + 3] & 255) << 24;
-            memcpy(xq + g * GROUP, fours, GROUP);
-        }
-        c[g].d = top / 127.0f;
-        c[g].offset = -8.0f * c[g].d * (float)total;
-        c[g].sum = sum;
-    }
-}
-
 /* x [rows, x_stride] bf16 (k contiguous); w, sz as int4_matmul.c's; y [rows, n_out] bf16.
  * n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0, or 2 when out of
  * memory. */
 int int4_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                         const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
-    const int64_t groups = k / GROUP, tiles = n_out / TILE, n = rows > 0 ? rows : 1;
-    int8_t *xq = malloc((size_t)(n * k));
-    group_constants *c = malloc(sizeof(group_constants) * n * groups);
-    if (xq == NULL || c == NULL) {
-        free(xq);
-        free(c);
-        return 2;
-    }
-#pragma omp parallel for schedule(static) if (rows >= 64)
-    for (int64_t m = 0; m < rows; m++)
-        quantise_row(x + m * x_stride, groups, xq + m * k, c + m * groups);
+    const int64_t groups = k / GROUP, tiles = n_out / TILE;
+    int8_t *xq;
+    group_constants *c;
+    if (quantise_rows(x, x_stride, rows, k, XQ_IN_K_ORDER, &xq, &c)) return 2;
     const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
 #define BLOCK(n)                                                                           \
     tile_block(xq + m0 * k, k, c + m0 * groups, groups, w + t * tile_bytes, sz + t * tile_scales, \

@@ -154,6 +154,13 @@ class NativeInt5Matmul(_TiledMatmul):
         return weight, tiled_scales
 
 
+class NativeInt5A8Matmul(_TiledMatmul):
+    """5-bit weights in NativeInt5Matmul's layout times int8 activations, quantised per row
+    in groups of 32 inside the call (int5_matmul_a8.c); bf16 output."""
+
+    symbol, out_dtype = "int5_matmul_a8", torch.bfloat16
+
+
 class NativeInt6Matmul(_TiledMatmul):
     """Weight-only 6-bit matmul in C (int6_matmul.c): GGUF's Q6_K exactly, sub-blocks of 16
     with an int8 scale each under an fp32 one per 256; bf16 output."""
