@@ -91,8 +91,9 @@ def add_model_flags(p: argparse.ArgumentParser) -> None:
         help="quantisation of the linear layers on the CPU (int8: weight-only, a scale per row; "
         "int8g: weight-only, a scale per group of 32, exact for Q8_0 GGUF weights; "
         "int4: weight-only, groups of 32, Q4 GGUF weights on their own grid; w4a8: int4 with the "
-        "activations rounded to int8 in groups of 32, as llama.cpp computes: faster with "
-        "AVX-512 VNNI, less exact, only when asked for); auto (default) takes the fastest that "
+        "activations rounded to int8 in groups of 32, as llama.cpp computes, a Q4_K_M file's "
+        "Q5_0 layers in 5 bits the same way: faster with AVX-512 VNNI, less exact, taken by "
+        "auto only where the CPU lacks AVX-512 BF16); auto (default) takes the fastest that "
         "loses nothing the checkpoint holds",
     )
     p.add_argument(
