@@ -97,13 +97,6 @@ static inline __attribute__((always_inline)) void tile_block_from(
                                 (__m256i)_mm512_cvtneps_pbh(total[m][j]));
 }
 
-static inline __attribute__((always_inline)) void tile_block(
-    const int8_t *xq, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
-    int64_t tile_bytes, const uint16_t *scales, int64_t tile_scales, uint16_t *y,
-    int64_t y_stride, const int rows, const int tiles) {
-    tile_block_from(xq, k, c, groups, w, tile_bytes, scales, tile_scales, y, y_stride, rows,
-                    tiles, NULL);
-}
 #define INT5_A8_KERNEL "avx512_vnni"
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -121,65 +114,66 @@ static inline __m256i bits_to_sixteens(uint32_t word) {
     return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, bit), _mm256_set1_epi8(16));
 }
 
-/* Rows against one tile at a time; each group's steps are unpacked once for all the rows:
- * 16-bit lane i of lo (hi) holds column i's q at K offsets 0 and 1 (2 and 3). Two steps'
- * 16-bit sums stay within 2 * 2 * 2 * 31 * 127 = 31496 < 2^15. */
-static inline __attribute__((always_inline)) void tile_block(
-    const int8_t *xq, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
-    int64_t tile_bytes, const uint16_t *scales, int64_t tile_scales, uint16_t *y,
-    int64_t y_stride, const int rows, const int tiles) {
+/* Rows whose fp32 totals one pass over a tile's groups keeps (4 KB): each group is
+ * unpacked once per pass, for all of them (unpacking costs about what 2.5 rows' products
+ * do). */
+#define ROWS_PER_PASS 64
+
+/* Up to ROWS_PER_PASS rows against one tile; each group's steps are unpacked once: 16-bit
+ * lane i of lo (hi) holds column i's q at K offsets 0 and 1 (2 and 3). Two steps' 16-bit
+ * sums stay within 2 * 2 * 2 * 31 * 127 = 31496 < 2^15. */
+static void tile_rows(const int8_t *xq, int64_t k, const group_constants *c, int64_t groups,
+                      const uint8_t *w, const uint16_t *scales, uint16_t *y, int64_t y_stride,
+                      const int rows) {
     const __m256i nibble = _mm256_set1_epi8(0x0F);
-    for (int j = 0; j < tiles; j++) {
-        const uint8_t *wt = w + j * tile_bytes;
-        const uint16_t *st = scales + j * tile_scales;
-        __m256 total[ROW_BLOCK][2];
-        for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
-        for (int64_t g = 0; g < groups; g++) {
-            const uint8_t *wg = wt + g * GROUP_BYTES;
-            __m256i lo[GROUP / 4], hi[GROUP / 4];
-            for (int s = 0; s < GROUP / 4; s++) {
-                const __m256i bytes = _mm256_loadu_si256((const __m256i *)(wg + 32 * s));
-                uint32_t fifth[2];
-                memcpy(fifth, wg + HIGH_BITS + 8 * s, 8);
-                lo[s] = _mm256_or_si256(_mm256_and_si256(bytes, nibble), bits_to_sixteens(fifth[0]));
-                hi[s] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble),
-                                        bits_to_sixteens(fifth[1]));
-            }
-            const __m256 scale_low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TILE)));
-            const __m256 scale_high =
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(st + g * TILE + 8)));
-            for (int m = 0; m < rows; m++) {
-                const int8_t *xs = xq + m * k + g * GROUP;
-                __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
-                for (int two = 0; two < GROUP / 8; two++) {
-                    __m256i acc = _mm256_setzero_si256();
-                    for (int s = 2 * two; s < 2 * two + 2; s++) {
-                        int16_t pair01, pair23;
-                        memcpy(&pair01, xs + 4 * s, 2);
-                        memcpy(&pair23, xs + 4 * s + 2, 2);
-                        acc = _mm256_add_epi16(
-                            acc, _mm256_add_epi16(
-                                     _mm256_maddubs_epi16(lo[s], _mm256_set1_epi16(pair01)),
-                                     _mm256_maddubs_epi16(hi[s], _mm256_set1_epi16(pair23))));
-                    }
-                    low = _mm256_add_epi32(low, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc)));
-                    high = _mm256_add_epi32(high,
-                                            _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc, 1)));
-                }
-                const group_constants *cg = c + m * groups + g;
-                const __m256 d = _mm256_set1_ps(cg->d), offset = _mm256_set1_ps(-16.0f * cg->dsum);
-                total[m][0] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(low), d, offset),
-                                              scale_low, total[m][0]);
-                total[m][1] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(high), d, offset),
-                                              scale_high, total[m][1]);
-            }
+    __m256 total[ROWS_PER_PASS][2];
+    for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * GROUP_BYTES;
+        __m256i lo[GROUP / 4], hi[GROUP / 4];
+        for (int s = 0; s < GROUP / 4; s++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(wg + 32 * s));
+            uint32_t fifth[2];
+            memcpy(fifth, wg + HIGH_BITS + 8 * s, 8);
+            lo[s] = _mm256_or_si256(_mm256_and_si256(bytes, nibble), bits_to_sixteens(fifth[0]));
+            hi[s] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble),
+                                    bits_to_sixteens(fifth[1]));
         }
+        const __m256 scale_low =
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * TILE)));
+        const __m256 scale_high =
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * TILE + 8)));
         for (int m = 0; m < rows; m++) {
-            float out[TILE];
-            _mm256_storeu_ps(out, total[m][0]);
-            _mm256_storeu_ps(out + 8, total[m][1]);
-            for (int i = 0; i < TILE; i++) y[m * y_stride + j * TILE + i] = to_bf16(out[i]);
+            const int8_t *xs = xq + m * k + g * GROUP;
+            __m256i low = _mm256_setzero_si256(), high = _mm256_setzero_si256();
+            for (int two = 0; two < GROUP / 8; two++) {
+                __m256i acc = _mm256_setzero_si256();
+                for (int s = 2 * two; s < 2 * two + 2; s++) {
+                    int16_t pair01, pair23;
+                    memcpy(&pair01, xs + 4 * s, 2);
+                    memcpy(&pair23, xs + 4 * s + 2, 2);
+                    acc = _mm256_add_epi16(
+                        acc, _mm256_add_epi16(
+                                 _mm256_maddubs_epi16(lo[s], _mm256_set1_epi16(pair01)),
+                                 _mm256_maddubs_epi16(hi[s], _mm256_set1_epi16(pair23))));
+                }
+                low = _mm256_add_epi32(low, _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc)));
+                high = _mm256_add_epi32(high,
+                                        _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc, 1)));
+            }
+            const group_constants *cg = c + m * groups + g;
+            const __m256 d = _mm256_set1_ps(cg->d), offset = _mm256_set1_ps(-16.0f * cg->dsum);
+            total[m][0] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(low), d, offset),
+                                          scale_low, total[m][0]);
+            total[m][1] = _mm256_fmadd_ps(_mm256_fmadd_ps(_mm256_cvtepi32_ps(high), d, offset),
+                                          scale_high, total[m][1]);
         }
+    }
+    for (int m = 0; m < rows; m++) {
+        float out[TILE];
+        _mm256_storeu_ps(out, total[m][0]);
+        _mm256_storeu_ps(out + 8, total[m][1]);
+        for (int i = 0; i < TILE; i++) y[m * y_stride + i] = to_bf16(out[i]);
     }
 }
 #define INT5_A8_KERNEL "avx2"
@@ -234,9 +228,6 @@ static inline void tile_block(const int8_t *xq, int64_t k, const group_constants
 #ifndef XQ_IN_K_ORDER
 #define XQ_IN_K_ORDER 0
 #endif
-#ifndef PAIRED_ROWS
-#define PAIRED_ROWS 16
-#endif
 
 const char *int5_matmul_a8_kind(void) { return INT5_A8_KERNEL; }
 
@@ -252,39 +243,46 @@ int int5_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
     group_constants *c;
     if (quantise_rows(x, x_stride, rows, k, XQ_IN_K_ORDER, &xq, &c)) return 2;
     int status = 0;
+#if defined(ROWS_PER_PASS)
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t m0 = 0; m0 < rows; m0 += ROWS_PER_PASS)
+            tile_rows(xq + m0 * k, k, c + m0 * groups, groups, w + t * tile_bytes,
+                      scales + t * tile_scales, y + m0 * n_out + t * TILE, n_out,
+                      (int)(rows - m0 < ROWS_PER_PASS ? rows - m0 : ROWS_PER_PASS));
+#elif defined(UNPACKED_ROWS)
 #define BLOCK(r, n, from)                                                                  \
     tile_block_from(xq + m0 * k, k, c + m0 * groups, groups, w + t * tile_bytes, tile_bytes, \
                     scales + t * tile_scales, tile_scales, y + m0 * n_out + t * TILE, n_out, \
                     r, n, from)
-#ifdef UNPACKED_ROWS
-    if (rows >= UNPACKED_ROWS) {
 #define UNPACK unpack_tiles(w + t * tile_bytes, tile_bytes, groups, n, buffer)
 #define PAIR(r) BLOCK(r, 2, buffer)
 #define SINGLE(r) BLOCK(r, 1, buffer)
+    if (rows >= UNPACKED_ROWS) {
         FOR_UNPACKED_TILE_PAIRS(tiles, rows, sizeof(__m512i) * groups * (GROUP / 4) * 2, status,
                                 UNPACK, PAIR, SINGLE);
+    } else {
+#undef PAIR
+#undef SINGLE
+#define PAIR(r) BLOCK(r, 2, NULL)
+#define SINGLE(r) BLOCK(r, 1, NULL)
+        if (rows >= PAIRED_ROWS) {
+            FOR_TILE_PAIRS_AND_ROW_BLOCKS(tiles, rows, PAIR, SINGLE)
+        } else {
+            FOR_TILES_AND_ROW_BLOCKS(tiles, rows, SINGLE)
+        }
+    }
 #undef SINGLE
 #undef PAIR
 #undef UNPACK
-        free(xq);
-        free(c);
-        return status;
-    }
-#endif
 #undef BLOCK
-#define BLOCK(r, n)                                                                        \
+#else
+#define SINGLE(r)                                                                          \
     tile_block(xq + m0 * k, k, c + m0 * groups, groups, w + t * tile_bytes, tile_bytes,     \
-               scales + t * tile_scales, tile_scales, y + m0 * n_out + t * TILE, n_out, r, n)
-#define PAIR(r) BLOCK(r, 2)
-#define SINGLE(r) BLOCK(r, 1)
-    if (rows >= PAIRED_ROWS) {
-        FOR_TILE_PAIRS_AND_ROW_BLOCKS(tiles, rows, PAIR, SINGLE)
-    } else {
-        FOR_TILES_AND_ROW_BLOCKS(tiles, rows, SINGLE)
-    }
+               scales + t * tile_scales, tile_scales, y + m0 * n_out + t * TILE, n_out, r, 1)
+    FOR_TILES_AND_ROW_BLOCKS(tiles, rows, SINGLE)
 #undef SINGLE
-#undef PAIR
-#undef BLOCK
+#endif
     free(xq);
     free(c);
     return status;
