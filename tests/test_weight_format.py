@@ -206,6 +206,14 @@ def write_mixed_gguf(tmp_path: Path) -> Path:
     return write_gguf(hf, "llama", hf_dir, tmp_path / "mixed.gguf", types=types)
 
 
+def prompt_logprobs(model: Llama) -> torch.Tensor:
+    """Log-probabilities of every position of one fixed prompt."""
+    ids = list(range(3, 60, 2))
+    cache = PagedKVCache.allocate(model.config, 4, 16, model.embed_tokens.weight.dtype)
+    batch = Batch.build([ids], [0], [[0, 1]], 16, all_logits=True)
+    return torch.log_softmax(model(batch, cache).float(), dim=-1)
+
+
 def layer_kinds(model: Llama) -> list[list[type]]:
     projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     return [[type(getattr(layer, p)) for p in projections] for layer in model.layers]
@@ -247,14 +255,7 @@ def test_a_mixed_gguf_runs_its_4_bit_layers_in_int4_and_the_rest_in_int8g(
     # int4 holds Q4_1, grouped int8 Q8_0 and int5 Q5_0 exactly: what is left is bf16
     # activations, as for bf16 + int8g on float weights.
     exact = load_model(path, dtype="float32", quantization="none", progress=False).model
-    ids = list(range(3, 60, 2))
-
-    def logprobs(model: Llama) -> torch.Tensor:
-        cache = PagedKVCache.allocate(model.config, 4, 16, model.embed_tokens.weight.dtype)
-        batch = Batch.build([ids], [0], [[0, 1]], 16, all_logits=True)
-        return torch.log_softmax(model(batch, cache).float(), dim=-1)
-
-    assert (logprobs(mixed) - logprobs(exact)).abs().max().item() < 0.1
+    assert (prompt_logprobs(mixed) - prompt_logprobs(exact)).abs().max().item() < 0.1
 
 
 def test_w4a8_on_a_mixed_gguf_keeps_its_wider_layers_and_rounds_every_activation(
@@ -274,11 +275,4 @@ def test_w4a8_on_a_mixed_gguf_keeps_its_wider_layers_and_rounds_every_activation
     assert all(p.kernel == "native_a8" for p in projections if isinstance(p, Int4Linear))
     assert all(p.int8_activations for p in projections if isinstance(p, Int5Linear))
     exact = load_model(path, dtype="float32", quantization="none", progress=False).model
-    ids = list(range(3, 60, 2))
-
-    def logprobs(model: Llama) -> torch.Tensor:
-        cache = PagedKVCache.allocate(model.config, 4, 16, model.embed_tokens.weight.dtype)
-        batch = Batch.build([ids], [0], [[0, 1]], 16, all_logits=True)
-        return torch.log_softmax(model(batch, cache).float(), dim=-1)
-
-    assert (logprobs(w4a8) - logprobs(exact)).abs().max().item() < 0.2
+    assert (prompt_logprobs(w4a8) - prompt_logprobs(exact)).abs().max().item() < 0.2
