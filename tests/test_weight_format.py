@@ -11,11 +11,13 @@ from gguf import GGMLQuantizationType
 from model import weight_format
 from model.batch import Batch
 from model.config import ModelConfig
+from model.decoder_layer import _native_weight
 from model.errors import UnsupportedFormatError
 from model.int5_linear import Int5Linear
 from model.llama import Llama
 from model.loader import load_model
 from model.native.build import cpu_flags
+from model.native.layer import INT5_A8
 from model.native.ops import NativeInt4Matmul
 from model.paged_cache import PagedKVCache
 from model.quantized_linear import Int4Linear, Int8GroupLinear
@@ -273,6 +275,9 @@ def test_w4a8_on_a_mixed_gguf_keeps_its_wider_layers_and_rounds_every_activation
     ]
     projections = [proj for layer in w4a8.layers for proj in layer.modules()]
     assert all(p.kernel == "native_a8" for p in projections if isinstance(p, Int4Linear))
-    assert all(p.int8_activations for p in projections if isinstance(p, Int5Linear))
+    int5 = [p for p in projections if isinstance(p, Int5Linear)]
+    assert int5 and all(p.int8_activations for p in int5)
+    # The C decoder layer multiplies them on the int8-activation kernel too.
+    assert all(_native_weight(p)[2] == INT5_A8 for p in int5)
     exact = load_model(path, dtype="float32", quantization="none", progress=False).model
     assert (prompt_logprobs(w4a8) - prompt_logprobs(exact)).abs().max().item() < 0.2
