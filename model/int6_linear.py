@@ -115,11 +115,18 @@ class Int6Linear(QuantizedLinear):
             )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first_outputs(x, self.out_features)
+
+    def first_outputs(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n outputs: the tiles of 16 that hold them are a prefix of the bytes."""
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = self._native(flat, self.weight_int6, self.scales, self.out_features)
+        tiled = -(-n // 16) * 16
+        weight = self.weight_int6[: tiled * self.in_features * 13 // 16]
+        scales = self.scales[: tiled * self.in_features // SUPER_BLOCK]
+        out = self._native(flat, weight, scales, tiled)[:, :n]
         if not self.logits:  # the logits stay fp32, as the model's head gives them
             out = out.to(x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out.reshape(*x.shape[:-1], n)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight in `dtype`, read from the kernel's layout

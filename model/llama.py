@@ -162,15 +162,32 @@ class Llama(nn.Module):
         return model
 
     @torch.inference_mode()
-    def forward(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:
-        """Logits [len(batch.logits_indices), vocab] in fp32."""
+    def forward(
+        self, batch: Batch, kv_cache: PagedKVCache, logit_rows: int | None = None
+    ) -> torch.Tensor:
+        """Logits [len(batch.logits_indices), vocab] in fp32; with `logit_rows`, of the
+        first that many token ids only (a draft model's guesses among the common tokens:
+        scheduler/runner/draft_model.py)."""
         if self.before_forward is not None:
             self.before_forward(batch, kv_cache)
         h = self.norm(self._layers(batch, kv_cache)[batch.logits_indices])
-        logits = self.lm_head(h).float()
+        logits = self._head(h, logit_rows).float()
         if self.tp:
             logits = gather_vocab(logits, self.config.vocab_size)
         return logits
+
+    def _head(self, h: torch.Tensor, rows: int | None) -> torch.Tensor:
+        """The output projection, over the first `rows` token ids where given: the packed
+        heads keep whole tiles of 16 ids, each after the one before, so their first rows
+        are a prefix of their bytes, and the rest is never read."""
+        head = self.lm_head
+        if rows is None or rows >= head.out_features:
+            return head(h)
+        if isinstance(head, nn.Linear):
+            return nn.functional.linear(h, head.weight[:rows])
+        if isinstance(head, Int8GroupLinear | Int6Linear):
+            return head.first_outputs(h, rows)
+        return head(h)[..., :rows]
 
     @torch.inference_mode()
     def hidden_states(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:

@@ -248,11 +248,18 @@ class Int8GroupLinear(QuantizedLinear):
         self.weight_int8, self.scales = self._native.pack(self._staging, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.first_outputs(x, self.out_features)
+
+    def first_outputs(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n outputs: the tiles of 16 that hold them are a prefix of the bytes."""
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        out = self._native(flat, self.weight_int8, self.scales, self.out_features)
+        tiled = -(-n // 16) * 16
+        weight = self.weight_int8[: tiled * self.in_features]
+        scales = self.scales[: tiled * self.in_features // INT4_GROUP]
+        out = self._native(flat, weight, scales, tiled)[:, :n]
         if not self.fp32_output:
             out = out.to(x.dtype)
-        return out.reshape(*x.shape[:-1], self.out_features)
+        return out.reshape(*x.shape[:-1], n)
 
     def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight in `dtype`: the tied embedding's lookup."""

@@ -215,6 +215,32 @@ def test_draft_model_keeps_greedy_output(target, requests, plain, small_draft, d
         assert accepted_total < 0.5 * drafted
 
 
+def test_a_draft_guesses_among_the_first_ids_only(target, requests, plain, monkeypatch):
+    """draft_vocab_size 256: the target as its own draft guesses its own choice where that
+    lies among the first 256 ids and something else where not; the output is the plain
+    run's either way."""
+    from scheduler.runner.draft_model import DraftModel
+
+    guessed: list[int] = []
+    propose = DraftModel.propose
+
+    def recording(self, scheduled, vocab):
+        filled = propose(self, scheduled, vocab)
+        guessed.extend(t for s in filled for t in s.draft_token_ids)
+        return filled
+
+    monkeypatch.setattr(DraftModel, "propose", recording)
+    some = {rid: requests[rid] for rid in ("r0", "r1", "json")}
+    spec, drafted, accepted_total, _ = run_speculating(
+        target, some, draft=target.model, spec=replace(DRAFT, draft_vocab_size=256)
+    )
+    assert_same({k: v for k, v in plain.items() if k[0] in some}, spec)
+    outputs = [t for (rid, _), got in plain.items() if rid in some for t in got.token_ids]
+    assert any(t >= 256 for t in outputs) and any(t < 256 for t in outputs)
+    assert guessed and max(guessed) < 256
+    assert 0 < accepted_total < 0.95 * drafted
+
+
 @pytest.mark.parametrize("draft", ["itself", "small"])
 def test_a_draft_guesses_for_constrained_sequences(target, requests, plain, small_draft, draft):
     """A JSON-schema request: the draft's guesses for it are picked among what the grammar
@@ -284,6 +310,8 @@ def test_acceptance_is_the_leading_agreement() -> None:
         '{"method": "ngram", "model": "draft.gguf", "num_speculative_tokens": 2}',
         '{"model": "draft.gguf", "num_speculative_tokens": 2, "prompt_lookup_min": 2}',
         '{"model": "", "num_speculative_tokens": 2}',
+        '{"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 64}',
+        '{"model": "draft.gguf", "num_speculative_tokens": 2, "draft_vocab_size": 0}',
     ],
 )
 def test_bad_configs_are_one_sentence(text, capsys) -> None:

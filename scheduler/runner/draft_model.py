@@ -11,7 +11,9 @@ step's sequences feeds, after the positions it missed since it last saw them, an
 k one-token steps for the guessing ones.
 
 The draft's cache is only ever the context of a guess. The target decides every token,
-so a draft position computed from stale context costs acceptance, never correctness.
+so a draft position computed from stale context costs acceptance, never correctness; so
+does guessing among the first `draft_vocab_size` token ids only, which spares the draft
+most of its output projection.
 """
 
 from __future__ import annotations
@@ -28,15 +30,19 @@ from model.llama import Llama
 from model.paged_cache import PagedKVCache
 from model.sampler import greedy_ids
 from model.token_bitmask import apply_token_bitmask
+from scheduler.config import EngineConfig
 from scheduler.step_data import ScheduledRequest
 from scheduler.structured_output import StructuredOutputManager
 
 
 class DraftModel:
-    def __init__(self, model: Llama, num_blocks: int, block_size: int) -> None:
+    def __init__(self, model: Llama, num_blocks: int, config: EngineConfig) -> None:
         self.model = model
         self.device = model.device
-        self.block_size = block_size
+        self.block_size = block_size = config.block_size
+        # Whole tiles of 16 ids: the packed heads read their first rows' bytes only.
+        rows = config.speculative.draft_vocab_size if config.speculative else None
+        self.logit_rows = None if rows is None else -(-rows // 16) * 16
         self.kv_cache = PagedKVCache.allocate(
             model.config, num_blocks, block_size, model.dtype, model.device
         )
@@ -54,8 +60,9 @@ class DraftModel:
     def propose(self, scheduled: list[ScheduledRequest], vocab: int) -> list[ScheduledRequest]:
         """The step's sequences, each speculating one with its reserved guess slots
         (`draft_token_ids`) filled by the draft's greedy choices among the first `vocab`
-        ids (those the target may sample). A step where nobody guesses costs nothing: the
-        draft catches up on what it missed when a sequence guesses again."""
+        ids (those the target may sample) and its own first `logit_rows`. A step where
+        nobody guesses costs nothing: the draft catches up on what it missed when a
+        sequence guesses again."""
         self.step_s = None
         guessing = [i for i, s in enumerate(scheduled) if s.draft_token_ids]
         if not guessing:
@@ -115,7 +122,7 @@ class DraftModel:
             self.device,
             null_block=self.kv_cache.null_block,
         )
-        return self.model(batch, self.kv_cache)
+        return self.model(batch, self.kv_cache, logit_rows=self.logit_rows)
 
     def _choose(
         self,

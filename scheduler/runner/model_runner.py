@@ -84,7 +84,7 @@ class ModelRunner:
                 self.num_blocks,
                 self.num_blocks * self.block_size,
             )
-        self.drafter = DraftModel(draft, capacity.num_blocks, config.block_size) if draft else None
+        self.drafter = DraftModel(draft, capacity.num_blocks, config) if draft else None
         self.decode_graphs: DecodeGraphs | None = None
         # A graph would replay rank 0's collectives without the broadcast that brings the
         # other ranks to them: tensor-parallel steps run eagerly.

@@ -232,7 +232,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "prompt_lookup_max: the n-gram lengths looked up, default 2 and 4; "
         "disable_by_batch_size: no guessing above this many running sequences, default 4); "
         '\'{"model": PATH, "num_speculative_tokens": 4}\' guesses with a smaller draft model '
-        "of the same vocabulary instead",
+        "of the same vocabulary instead (optional draft_vocab_size: it guesses among the "
+        "first this many token ids, default 65536)",
     )
     p.add_argument(
         "--max-waiting",
