@@ -57,6 +57,9 @@ static inline __attribute__((always_inline)) void tile_block(
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < tiles; j++) total[m][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        for (int j = 0; j < tiles && rows >= PREFETCH_ROWS; j++)
+            prefetch_ahead(w + j * tile_bytes, g * (TILE * GROUP / 2), TILE * GROUP / 2,
+                           groups * (TILE * GROUP / 2));
         __m512 part[ROW_BLOCK][2];
         for (int m = 0; m < rows; m++)
             for (int j = 0; j < tiles; j++) part[m][j] = _mm512_setzero_ps();

@@ -95,6 +95,10 @@ static inline __attribute__((always_inline)) void tile_block_from(
         __m512 d[2];
         for (int j = 0; j < tiles; j++) d[j] = _mm512_loadu_ps(scales + j * tile_scales + g * TILE);
         for (int b = 0; b < SUBS; b++) {
+            if (unpacked == NULL && rows >= PREFETCH_ROWS)
+                for (int j = 0; j < tiles; j++)
+                    prefetch_ahead(w + j * tile_bytes, g * SUPER_BYTES + b * SUB_BYTES, SUB_BYTES,
+                                   tile_bytes);
             __m512 part[ROW_BLOCK][2];
             for (int m = 0; m < rows; m++)
                 for (int j = 0; j < tiles; j++) part[m][j] = _mm512_setzero_ps();
