@@ -38,6 +38,9 @@ static inline __attribute__((always_inline)) void tile_block(
     __m512 total[ROW_BLOCK];
     for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        if (rows >= PREFETCH_ROWS)
+            prefetch_ahead(w, g * (TILE * GROUP / 2), TILE * GROUP / 2,
+                           groups * (TILE * GROUP / 2));
         __m512i dot[ROW_BLOCK];
         for (int m = 0; m < rows; m++) dot[m] = _mm512_setzero_si512();
         const uint8_t *wg = w + g * (TILE * GROUP / 2);
@@ -88,6 +91,9 @@ static inline __attribute__((always_inline)) void rows_pass(
     __m256 even_total[A8_PASS], odd_total[A8_PASS];
     for (int m = 0; m < rows; m++) even_total[m] = odd_total[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        if (rows >= PREFETCH_ROWS)
+            prefetch_ahead(w, g * (TILE * GROUP / 2), TILE * GROUP / 2,
+                           groups * (TILE * GROUP / 2));
         __m256i even[A8_PASS], odd[A8_PASS];
         for (int m = 0; m < rows; m++) even[m] = odd[m] = _mm256_setzero_si256();
         const uint8_t *wg = w + g * (TILE * GROUP / 2);
