@@ -57,6 +57,9 @@ static inline __attribute__((always_inline)) void half_tile(
     for (int64_t g = 0; g < supers; g++) {
         const __m256 d = _mm256_loadu_ps(scales + g * TILE + 8 * half);
         for (int b = 0; b < SUBS; b++) {
+            if (rows >= PREFETCH_ROWS && half == 0)
+                prefetch_ahead(w, g * SUPER_BYTES + b * SUB_BYTES, SUB_BYTES,
+                               supers * SUPER_BYTES);
             const uint8_t *ws = w + g * SUPER_BYTES + b * SUB_BYTES;
             __m256 part[ROW_BLOCK];
             for (int m = 0; m < rows; m++) part[m] = _mm256_setzero_ps();

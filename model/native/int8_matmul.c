@@ -144,6 +144,8 @@ static inline __attribute__((always_inline)) void half_tile(
     __m256 total[ROW_BLOCK];
     for (int m = 0; m < rows; m++) total[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        if (rows >= PREFETCH_ROWS && half == 0)
+            prefetch_ahead(w, g * TILE * GROUP, TILE * GROUP, groups * TILE * GROUP);
         __m256 part[ROW_BLOCK];
         for (int m = 0; m < rows; m++) part[m] = _mm256_setzero_ps();
         const uint8_t *wg = w + g * TILE * GROUP;
