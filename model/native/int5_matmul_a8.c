@@ -64,6 +64,10 @@ static inline __attribute__((always_inline)) void tile_block_from(
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < tiles; j++) total[m][j] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
+        if (unpacked == NULL && rows >= PREFETCH_ROWS)
+            for (int j = 0; j < tiles; j++)
+                prefetch_ahead(w + j * tile_bytes, g * GROUP_BYTES, GROUP_BYTES,
+                               groups * GROUP_BYTES);
         __m512i dot[ROW_BLOCK][2];
         for (int m = 0; m < rows; m++)
             for (int j = 0; j < tiles; j++) dot[m][j] = _mm512_setzero_si512();

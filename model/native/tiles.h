@@ -16,11 +16,12 @@
  * block computes about as long as its weights take to stream from memory, and with the
  * hardware prefetcher alone the two overlapped poorly. At 8 rows, weights streamed from
  * memory, 2-core AVX-512 BF16 EPYC: int4 [17920 x 1536] 1.55 -> 1.28 ms, int6 1.87 -> 1.48,
- * grouped int8's 151,936 x 896 output projection 8.5 -> 7.4, w4a8 1.22 -> 0.93; the AVX2
- * build's fp32 loops gain less (the same output projection 17.9 -> 14.8 ms, w4a8 1.76 ->
- * 1.61, int6 at 4 rows 3.1 -> 2.6). Twice as far ahead gained nothing more, four times
- * lost. Below PREFETCH_ROWS rows the gain was within the noise; int5 gained nothing at any
- * row count and runs without. */
+ * grouped int8's 151,936 x 896 output projection 8.5 -> 7.4, w4a8 1.22 -> 0.93, w5a8
+ * [9728 x 896] 0.46 -> 0.38. The AVX2 build's fp32 loops gain less (the same output
+ * projection 17.9 -> 14.8 ms, w4a8 1.76 -> 1.61, int6 at 4 rows 3.1 -> 2.6). Twice as far
+ * ahead gained nothing more, four times lost. Below PREFETCH_ROWS rows the gain was within
+ * the noise; int5 with bf16 products and the AVX2 loop of w5a8 gained nothing at any row
+ * count and run without. */
 #define PREFETCH_AHEAD 1024
 #define PREFETCH_ROWS 4
 
