@@ -40,9 +40,8 @@ class DraftModel:
         self.model = model
         self.device = model.device
         self.block_size = block_size = config.block_size
-        # Whole tiles of 16 ids: the packed heads read their first rows' bytes only.
-        rows = config.speculative.draft_vocab_size if config.speculative else None
-        self.logit_rows = None if rows is None else -(-rows // 16) * 16
+        # Its guesses among the first ids only: model/llama.py computes just those logits.
+        self.logit_rows = config.speculative.draft_vocab_size if config.speculative else None
         self.kv_cache = PagedKVCache.allocate(
             model.config, num_blocks, block_size, model.dtype, model.device
         )
