@@ -236,7 +236,9 @@ class Scheduler:
             emitted = [result.sampled[req.request_id]]
             if drafts:
                 emitted += result.sampled_after.get(req.request_id, [])
-                self.speculator.record(req, len(drafts), len(emitted) - 1)
+                guessed = result.drafted.get(req.request_id, len(drafts))
+                if guessed:  # a draft may have doubted every guess
+                    self.speculator.record(req, guessed, len(emitted) - 1)
             for position, sampled in enumerate(emitted):
                 if position:  # the guess before it was right: its K/V is in the cache
                     req.num_computed_tokens += 1

@@ -49,7 +49,8 @@ class SpecCosts:
         `forward_s`, the draft's `draft_s` included, of which its one-token steps after
         the first forward took `draft_step_s` each (None: it took none)."""
         if guesses == 0:
-            _smoothed(self.plain_s, size, forward_s)
+            if draft_s == 0.0:  # not a step where a draft ran and doubted every guess
+                _smoothed(self.plain_s, size, forward_s)
             return
         _smoothed(self.verify_s, size, forward_s - draft_s)
         _smoothed(self.guesses, size, guesses)

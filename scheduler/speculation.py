@@ -60,13 +60,17 @@ class SpeculativeConfig:
     # code and prose lie below 65,536 of its 151,936), and the output projection it skips
     # was a fifth of the 0.5B draft's step (docs/speculative-decoding.md).
     draft_vocab_size: int = 65536
+    # A draft model's guess it gives less than this probability ends its guesses before it
+    # (llama.cpp's --draft-p-min): guesses a draft doubts are the ones the target rejects,
+    # and each costs a draft step and a verified row. 0: the draft guesses every slot.
+    draft_p_min: float = 0.5
 
     @classmethod
     def parse(cls, text: str) -> SpeculativeConfig:
         """vLLM's JSON: {"method": "ngram", "num_speculative_tokens": k,
         "prompt_lookup_min": a, "prompt_lookup_max": b, "disable_by_batch_size": n}, or
         {"model": PATH, "num_speculative_tokens": k, "disable_by_batch_size": n,
-        "draft_vocab_size": v}."""
+        "draft_vocab_size": v, "draft_p_min": p}."""
         try:
             fields = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -88,7 +92,7 @@ class SpeculativeConfig:
         if method == "ngram":
             known |= {"prompt_lookup_min", "prompt_lookup_max"}
         else:
-            known.add("draft_vocab_size")
+            known |= {"draft_vocab_size", "draft_p_min"}
         unknown = sorted(set(fields) - known)
         if unknown:
             raise SpeculativeConfigError(
@@ -96,13 +100,18 @@ class SpeculativeConfig:
             )
         if "num_speculative_tokens" not in fields:
             raise SpeculativeConfigError("--speculative-config needs num_speculative_tokens")
+        p_min = fields.pop("draft_p_min", cls.draft_p_min)
+        if not isinstance(p_min, int | float) or isinstance(p_min, bool) or not 0 <= p_min < 1:
+            raise SpeculativeConfigError(
+                f"--speculative-config: draft_p_min must be a number from 0 up to 1, got {p_min!r}"
+            )
         for name, value in fields.items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise SpeculativeConfigError(
                     f"--speculative-config: {name} must be a whole number of at least 1, "
                     f"got {value!r}"
                 )
-        config = cls(method=method, model=model, **fields)
+        config = cls(method=method, model=model, draft_p_min=float(p_min), **fields)
         if config.prompt_lookup_min > config.prompt_lookup_max:
             raise SpeculativeConfigError(
                 "--speculative-config: prompt_lookup_min is above prompt_lookup_max"
@@ -183,7 +192,7 @@ class Speculator:
             and not result.errors
             and all(s.sample and len(s.new_token_ids) == 1 + len(s.draft_token_ids) for s in steps)
         ):
-            guesses = sum(len(s.draft_token_ids) for s in steps)
+            guesses = sum(result.drafted.get(s.request_id, len(s.draft_token_ids)) for s in steps)
             self.costs.observe(
                 len(steps), guesses, result.forward_s, result.draft_s, result.draft_step_s
             )

@@ -64,6 +64,9 @@ class ModelRunnerOutput:
     # positions of its accepted guesses (each equal to the guess after it), the last one
     # the target's own next token. `sampled` is the choice after the sequence's last token.
     sampled_after: dict[str, list[SampledToken]] = field(default_factory=dict)
+    # How many guesses a draft model's sequences had verified, where fewer than their slots
+    # (the draft doubted one, or a grammar refused one); the rest count as never guessed.
+    drafted: dict[str, int] = field(default_factory=dict)
     prompt_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     # Sequences whose step failed (forward or sampler), with the message their client gets;
     # a failure costs only the sequences it touched.

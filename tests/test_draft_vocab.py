@@ -64,3 +64,6 @@ def test_the_config_takes_it_for_a_draft_model() -> None:
     text = '{"model": "draft.gguf", "num_speculative_tokens": 2%s}'
     assert SpeculativeConfig.parse(text % "").draft_vocab_size == 65536
     assert SpeculativeConfig.parse(text % ', "draft_vocab_size": 4096').draft_vocab_size == 4096
+    assert SpeculativeConfig.parse(text % "").draft_p_min == 0.5
+    assert SpeculativeConfig.parse(text % ', "draft_p_min": 0').draft_p_min == 0.0
+    assert SpeculativeConfig.parse(text % ', "draft_p_min": 0.25').draft_p_min == 0.25

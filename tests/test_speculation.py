@@ -4,6 +4,7 @@ after preemption, with stop strings, stop tokens and max_tokens landing inside a
 accepted run; the proposer, the acceptance rule, the config and the KV bookkeeping."""
 
 import json
+import math
 from dataclasses import replace
 
 import httpx
@@ -48,8 +49,13 @@ PEOPLE = {
     },
     "minItems": 3,
 }
+# The draft guesses every slot (no draft_p_min): the tests below need its wrong guesses.
 DRAFT = SpeculativeConfig(
-    num_speculative_tokens=3, disable_by_batch_size=64, method="draft_model", model="draft"
+    num_speculative_tokens=3,
+    disable_by_batch_size=64,
+    method="draft_model",
+    model="draft",
+    draft_p_min=0.0,
 )
 NGRAM = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64)
 
@@ -241,6 +247,58 @@ def test_a_draft_guesses_among_the_first_ids_only(target, requests, plain, monke
     assert 0 < accepted_total < 0.95 * drafted
 
 
+def test_a_draft_guesses_while_it_is_sure(target, requests, plain, monkeypatch) -> None:
+    """draft_p_min: the target as its own draft gives each guess the probability the plain
+    run's logprobs give that token, so each step's guesses are the plain output from the
+    step's position on, as long as each has at least p_min and slots are left; all kept."""
+    from scheduler.runner.draft_model import DraftModel
+
+    p_min = 0.6
+    steps: list[tuple[str, int, int, list[int]]] = []  # id, output index, slots, guesses
+    propose = DraftModel.propose
+
+    def recording(self, scheduled, vocab):
+        filled = propose(self, scheduled, vocab)
+        for s, f in zip(scheduled, filled, strict=True):
+            if s.draft_token_ids:
+                at = s.num_computed_tokens + 1 - len(s.prompt_ids)
+                steps.append((s.request_id, at, len(s.draft_token_ids), f.draft_token_ids))
+        return filled
+
+    monkeypatch.setattr(DraftModel, "propose", recording)
+    some = {rid: requests[rid] for rid in ("r0", "r2", "r4")}
+    spec = replace(DRAFT, num_speculative_tokens=4, draft_p_min=p_min)
+    got, drafted, accepted_total, _ = run_speculating(target, some, draft=target.model, spec=spec)
+    assert_same({k: v for k, v in plain.items() if k[0] in some}, got)
+    sure: dict[str, list[bool]] = {}
+    for rid in some:
+        lps = [lp.logprob for o in plain[(rid, 0)].outputs for lp in (o.logprobs or [])]
+        assert all(abs(math.exp(lp) - p_min) > 1e-3 for lp in lps)  # no near tie
+        sure[rid] = [math.exp(lp) >= p_min for lp in lps]
+    cut = full = 0
+    for rid, at, slots, guesses in steps:
+        want = 0
+        while want < slots and sure[rid][at + want]:
+            want += 1
+        assert guesses == plain[(rid, 0)].token_ids[at : at + want], (rid, at)
+        cut += want < slots
+        full += want == slots
+    assert cut > 0 and full > 0  # some steps cut short, some not
+    assert drafted == sum(len(g) for *_, g in steps) == accepted_total > 0
+
+
+def test_beside_a_draft_a_step_without_guesses_is_timed_as_plain(target, requests) -> None:
+    """A step where nobody guesses neither runs the draft nor counts its time: were it
+    taken for a guessing step, no plain step would ever be timed, guesses never priced,
+    and after its first step nobody would guess again."""
+    e = create_engine(target.model, target.tokenizer, EngineConfig(speculative=DRAFT), target.model)
+    e.add_request("r0", *requests["r0"])
+    while e.has_work():
+        e.step()
+    costs = e.scheduler.speculator.costs
+    assert costs.guess_cost(1) is not None  # both kinds of step timed
+
+
 @pytest.mark.parametrize("draft", ["itself", "small"])
 def test_a_draft_guesses_for_constrained_sequences(target, requests, plain, small_draft, draft):
     """A JSON-schema request: the draft's guesses for it are picked among what the grammar
@@ -312,6 +370,11 @@ def test_acceptance_is_the_leading_agreement() -> None:
         '{"model": "", "num_speculative_tokens": 2}',
         '{"method": "ngram", "num_speculative_tokens": 2, "draft_vocab_size": 64}',
         '{"model": "draft.gguf", "num_speculative_tokens": 2, "draft_vocab_size": 0}',
+        '{"method": "ngram", "num_speculative_tokens": 2, "draft_p_min": 0.5}',
+        '{"model": "draft.gguf", "num_speculative_tokens": 2, "draft_p_min": 1}',
+        '{"model": "draft.gguf", "num_speculative_tokens": 2, "draft_p_min": -0.1}',
+        '{"model": "draft.gguf", "num_speculative_tokens": 2, "draft_p_min": "high"}',
+        '{"model": "draft.gguf", "num_speculative_tokens": 2, "draft_p_min": true}',
     ],
 )
 def test_bad_configs_are_one_sentence(text, capsys) -> None:

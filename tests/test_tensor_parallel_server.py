@@ -150,10 +150,11 @@ def test_tp2_over_two_nodes_serves_what_one_process_computes_alone(tiny, tmp_pat
 
 
 def test_tp2_with_a_draft_model_serves_what_one_process_computes_alone(tiny, tmp_path) -> None:
-    """The draft runs whole on rank 0 (the tiny model as its own draft: every guess is the
-    target's choice); the two ranks verify its guesses in the sharded forward."""
+    """The draft runs whole on rank 0 (the tiny model as its own draft, guessing every slot
+    however flat its logits: every guess is the target's choice); the two ranks verify its
+    guesses in the sharded forward."""
     expected = alone(load_model(tiny, progress=False), TEXTS, 24)
-    spec = json.dumps({"model": str(tiny), "num_speculative_tokens": 3})
+    spec = json.dumps({"model": str(tiny), "num_speculative_tokens": 3, "draft_p_min": 0})
     flags = ["-tp", "2", "--speculative-config", spec, "--max-num-batched-tokens", "16"]
     with server(serve_command(str(tiny), free_port(), *flags), tmp_path / "draft.log") as (_, base):
         got = complete_all(base, TEXTS, 24)

@@ -8,7 +8,8 @@ guesses and preemption cover both caches at once. The draft runs only in steps w
 some sequence guesses (above `disable_by_batch_size` running sequences nobody does, and
 a draft that ran anyway would slow every step); then it computes what each of the
 step's sequences feeds, after the positions it missed since it last saw them, and takes
-k one-token steps for the guessing ones.
+up to k one-token steps for the guessing ones, each sequence's ending at the first pick
+it gives less than `draft_p_min` of its probability.
 
 The draft's cache is only ever the context of a guess. The target decides every token,
 so a draft position computed from stale context costs acceptance, never correctness; so
@@ -31,7 +32,7 @@ from model.paged_cache import PagedKVCache
 from model.sampler import greedy_ids
 from model.token_bitmask import apply_token_bitmask
 from scheduler.config import EngineConfig
-from scheduler.step_data import ScheduledRequest
+from scheduler.step_data import ModelRunnerOutput, ScheduledRequest
 from scheduler.structured_output import StructuredOutputManager
 
 
@@ -41,7 +42,12 @@ class DraftModel:
         self.device = model.device
         self.block_size = block_size = config.block_size
         # Its guesses among the first ids only: model/llama.py computes just those logits.
-        self.logit_rows = config.speculative.draft_vocab_size if config.speculative else None
+        spec = config.speculative
+        self.logit_rows = spec.draft_vocab_size if spec else None
+        # A guess the draft itself gives less than this probability ends the sequence's
+        # guesses before it: it would cost a draft step and a verified row, and is kept
+        # less often than it pays for (scheduler/speculation.py, `draft_p_min`).
+        self.p_min = spec.draft_p_min if spec else 0.0
         self.kv_cache = PagedKVCache.allocate(
             model.config, num_blocks, block_size, model.dtype, model.device
         )
@@ -55,6 +61,25 @@ class DraftModel:
         # tokens its grammar allows after the guesses before them, and its verified rows
         # masked, as n-gram guesses are.
         self.grammars: StructuredOutputManager | None = None
+
+    def fill(
+        self, scheduled: list[ScheduledRequest], vocab: int, result: ModelRunnerOutput
+    ) -> list[ScheduledRequest]:
+        """`propose`, with its time, its one-token steps' and the guesses it left out of
+        slots reserved in `result`. A step where nobody guesses is a plain step: the draft
+        neither runs nor is timed."""
+        if not any(s.draft_token_ids for s in scheduled):
+            return scheduled
+        started = time.monotonic()
+        filled = self.propose(scheduled, vocab)
+        result.draft_s = time.monotonic() - started
+        result.draft_step_s = self.step_s
+        result.drafted = {
+            s.request_id: len(s.draft_token_ids)
+            for s, slots in zip(filled, scheduled, strict=True)
+            if len(s.draft_token_ids) < len(slots.draft_token_ids)
+        }
+        return filled
 
     def propose(self, scheduled: list[ScheduledRequest], vocab: int) -> list[ScheduledRequest]:
         """The step's sequences, each speculating one with its reserved guess slots
@@ -82,32 +107,39 @@ class DraftModel:
             self._done[s.request_id] = behind + len(fed)
         logits = self._forward(tokens, starts, [s.block_table for s in scheduled])
         guesses: dict[int, list[int]] = {i: [] for i in guessing}
-        chosen = self._choose(logits, guessing, vocab, scheduled, guesses)
-        for i, token in zip(guessing, chosen, strict=True):
-            guesses[i].append(token)
+        fed = dict.fromkeys(guessing, 0)  # guesses fed back to the draft, per sequence
+        self._take(logits, guessing, guessing, vocab, scheduled, guesses)
         longest = max(len(scheduled[i].draft_token_ids) for i in guessing)
-        started = time.monotonic()
+        started, forwards = time.monotonic(), 0
         for ahead in range(1, longest):
-            going = [i for i in guessing if len(scheduled[i].draft_token_ids) > ahead]
+            # Those whose every guess so far was confident, with slots left.
+            going = [
+                i
+                for i in guessing
+                if len(guesses[i]) == ahead and len(scheduled[i].draft_token_ids) > ahead
+            ]
+            if not going:
+                break
             logits = self._forward(
                 [[guesses[i][-1]] for i in going],
                 [scheduled[i].num_computed_tokens + ahead for i in going],
                 [scheduled[i].block_table for i in going],
             )
-            chosen = self._choose(logits, range(len(going)), vocab, scheduled, guesses, going)
-            for i, token in zip(going, chosen, strict=True):
-                guesses[i].append(token)
+            forwards += 1
+            for i in going:
+                fed[i] += 1
+            self._take(logits, range(len(going)), going, vocab, scheduled, guesses)
 
-        if longest > 1:
-            self.step_s = (time.monotonic() - started) / (longest - 1)
+        if forwards:
+            self.step_s = (time.monotonic() - started) / forwards
         filled = list(scheduled)
         for i, guess in guesses.items():
             s = scheduled[i]
-            # Every guess but the last was fed: if all are accepted the last is the one
-            # position the next step's catch-up computes.
-            self._done[s.request_id] += len(guess) - 1
-            fed = s.new_token_ids[: len(s.new_token_ids) - len(guess)]
-            filled[i] = replace(s, new_token_ids=fed + guess, draft_token_ids=guess)
+            # The guesses fed are in the draft's cache; the last guess is not: if all are
+            # accepted it is the one position the next step's catch-up computes.
+            self._done[s.request_id] += fed[i]
+            fed_tokens = s.new_token_ids[: len(s.new_token_ids) - len(s.draft_token_ids)]
+            filled[i] = replace(s, new_token_ids=fed_tokens + guess, draft_token_ids=guess)
         return self.grammars.constrain_guesses(filled) if self.grammars is not None else filled
 
     def _forward(
@@ -123,6 +155,22 @@ class DraftModel:
         )
         return self.model(batch, self.kv_cache, logit_rows=self.logit_rows)
 
+    def _take(
+        self,
+        logits: torch.Tensor,
+        rows: Iterable[int],
+        owners: list[int],
+        vocab: int,
+        scheduled: list[ScheduledRequest],
+        guesses: dict[int, list[int]],
+    ) -> None:
+        """Appends each owner's pick to its guesses where the draft gives it at least
+        `p_min`; where it does not, the owner's guesses end before it."""
+        chosen, confidence = self._choose(logits, rows, vocab, scheduled, guesses, owners)
+        for i, token, p in zip(owners, chosen, confidence, strict=True):
+            if p >= self.p_min:
+                guesses[i].append(token)
+
     def _choose(
         self,
         logits: torch.Tensor,
@@ -130,13 +178,12 @@ class DraftModel:
         vocab: int,
         scheduled: list[ScheduledRequest],
         guesses: dict[int, list[int]],
-        owners: list[int] | None = None,
-    ) -> list[int]:
-        """The draft's greedy pick in each of `rows` (of sequences `owners`, by default
-        the rows' own indices), a constrained sequence's among what its grammar allows
-        after its guesses so far."""
+        owners: list[int],
+    ) -> tuple[list[int], list[float]]:
+        """The draft's greedy pick in each of `rows` (of sequences `owners`), a
+        constrained sequence's among what its grammar allows after its guesses so far,
+        and the draft's probability of it among the ids it chose from."""
         rows = list(rows)
-        owners = owners if owners is not None else rows
         picked = logits[rows, :vocab]
         if self.grammars is not None:
             masks = [
@@ -148,4 +195,9 @@ class DraftModel:
                 at = torch.tensor([j for j, _ in masks], device=picked.device)
                 bitmask = torch.from_numpy(np.concatenate([m for _, m in masks])).to(picked.device)
                 apply_token_bitmask(picked, at, bitmask)
-        return greedy_ids(picked).tolist()
+        ids = greedy_ids(picked)
+        if self.p_min <= 0.0:
+            return ids.tolist(), [1.0] * len(rows)
+        best = picked.gather(1, ids[:, None])[:, 0].float()
+        confidence = torch.exp(best - torch.logsumexp(picked.float(), dim=-1))
+        return ids.tolist(), confidence.tolist()

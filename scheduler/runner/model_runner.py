@@ -165,9 +165,7 @@ class ModelRunner:
         started = time.monotonic()
         try:
             if self.drafter is not None:
-                scheduled = self.drafter.propose(scheduled, self.sample_vocab_size)
-                result.draft_s = time.monotonic() - started
-                result.draft_step_s = self.drafter.step_s
+                scheduled = self.drafter.fill(scheduled, self.sample_vocab_size, result)
             inputs = build_step_inputs(
                 scheduled, self.block_size, self.kv_cache.null_block, self.device
             )

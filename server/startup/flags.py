@@ -233,7 +233,8 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
         "disable_by_batch_size: no guessing above this many running sequences, default 4); "
         '\'{"model": PATH, "num_speculative_tokens": 4}\' guesses with a smaller draft model '
         "of the same vocabulary instead (optional draft_vocab_size: it guesses among the "
-        "first this many token ids, default 65536)",
+        "first this many token ids, default 65536; draft_p_min: its guesses end before "
+        "one it gives less than this probability, default 0.5, 0 guesses every slot)",
     )
     p.add_argument(
         "--max-waiting",
