@@ -236,7 +236,7 @@ class Scheduler:
             emitted = [result.sampled[req.request_id]]
             if drafts:
                 emitted += result.sampled_after.get(req.request_id, [])
-                guessed = result.drafted.get(req.request_id, len(drafts))
+                guessed = result.guessed(scheduled)
                 if guessed:  # a draft may have doubted every guess
                     self.speculator.record(req, guessed, len(emitted) - 1)
             for position, sampled in enumerate(emitted):

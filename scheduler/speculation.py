@@ -192,7 +192,7 @@ class Speculator:
             and not result.errors
             and all(s.sample and len(s.new_token_ids) == 1 + len(s.draft_token_ids) for s in steps)
         ):
-            guesses = sum(result.drafted.get(s.request_id, len(s.draft_token_ids)) for s in steps)
+            guesses = sum(result.guessed(s) for s in steps)
             self.costs.observe(
                 len(steps), guesses, result.forward_s, result.draft_s, result.draft_step_s
             )

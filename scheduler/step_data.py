@@ -77,6 +77,10 @@ class ModelRunnerOutput:
     # Seconds of each of the draft's one-token steps after its first forward; None if none.
     draft_step_s: float | None = None
 
+    def guessed(self, step: ScheduledRequest) -> int:
+        """How many of the guesses `step` reserved slots for were made and verified."""
+        return self.drafted.get(step.request_id, len(step.draft_token_ids))
+
 
 @dataclass
 class SequenceUpdate:
