@@ -138,7 +138,8 @@ def argmax_kernel() -> NativeArgmax | None:
 def describe(model: torch.nn.Module, small_step_threads: int, token_budget: int) -> str:
     """The plan a loaded model runs, read off the model itself, with the runner's choices."""
     from model.int6_linear import Int6Linear  # they ask this module
-    from model.quantized_linear import Int4Linear, Int8GroupLinear
+    from model.int8_group_linear import Int8GroupLinear
+    from model.quantized_linear import Int4Linear
 
     try:
         level = isa() if _mode != "torch" else "unused"

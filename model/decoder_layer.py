@@ -22,6 +22,7 @@ from model.config import ModelConfig
 from model.int4_kernel import NATIVE_INT4_KERNELS
 from model.int5_linear import Int5Linear
 from model.int6_linear import Int6Linear
+from model.int8_group_linear import Int8GroupLinear
 from model.native.layer import (
     INT4,
     INT4_A8,
@@ -32,7 +33,7 @@ from model.native.layer import (
     NativeDecoderLayer,
     NativeWeight,
 )
-from model.quantized_linear import Int4Linear, Int8GroupLinear
+from model.quantized_linear import Int4Linear
 from model.rope import apply_rope
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]

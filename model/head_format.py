@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
+from model.int8_group_linear import Int8GroupLinear
 from model.native.build import NativeUnavailable
-from model.quantized_linear import INT4_GROUP, Int8GroupLinear
+from model.quantized_linear import INT4_GROUP
 from model.timing import best_ms
 from model.tuning import config_key, remembered
 from model.weight_format import MEASURED_BATCH_SIZES, WeightFormat

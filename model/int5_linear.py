@@ -11,11 +11,14 @@ exactly but in 8.5 bits: Qwen2.5-Coder-0.5B's layers take 0.27 GB as grouped int
 from __future__ import annotations
 
 import torch
+from gguf import GGMLQuantizationType
 
 from model.errors import UnsupportedFormatError
 from model.file_grid import sorted_groups
 from model.native.ops import NativeInt5A8Matmul, NativeInt5Matmul
 from model.quantized_linear import INT4_GROUP, QuantizedLinear, fp16_scales
+from model.weights.dequant import q5_0_grid
+from model.weights.file_blocks import FileBlocks
 
 LEVELS = 16  # q - 16 spans -16..15
 ON_GRID = 1e-3  # how far from an integer a weight over its step may lie to count as on it
@@ -31,6 +34,7 @@ class Int5Linear(QuantizedLinear):
 
     staging_dtype = torch.uint8
     scale_dtype = torch.float16
+    block_types = frozenset({GGMLQuantizationType.Q5_0})
 
     def __init__(
         self,
@@ -60,6 +64,12 @@ class Int5Linear(QuantizedLinear):
         q = (groups / step.float()).round().clamp(-LEVELS, LEVELS - 1) + LEVELS
         self._staging[row : row + rows] = q.reshape(rows, -1).to(torch.uint8)
         self.scales[row : row + rows] = step.squeeze(-1)
+
+    def _stage_blocks(self, row: int, weight: FileBlocks) -> None:
+        q, d = q5_0_grid(weight.blocks())
+        rows = weight.shape[0]
+        self._staging[row : row + rows] = q.reshape(rows, -1)
+        self.scales[row : row + rows] = d.reshape(rows, -1)
 
     def _pack(self) -> None:
         packer = NativeInt5Matmul()

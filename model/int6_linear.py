@@ -15,11 +15,15 @@ import math
 from functools import partial
 
 import torch
+from gguf import GGMLQuantizationType
 
 from model.errors import UnsupportedFormatError
+from model.int8_group_linear import Int8GroupLinear
 from model.native.ops import NativeInt6Logits, NativeInt6Matmul, int6_grid
-from model.quantized_linear import Int8GroupLinear, QuantizedLinear
+from model.quantized_linear import QuantizedLinear
 from model.timing import best_ms
+from model.weights.dequant import q6_k_grid
+from model.weights.file_blocks import FileBlocks
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +38,7 @@ class Int6Linear(QuantizedLinear):
     many were."""
 
     scale_dtype = torch.float32
+    block_types = frozenset({GGMLQuantizationType.Q6_K})
 
     def __init__(
         self,
@@ -73,6 +78,15 @@ class Int6Linear(QuantizedLinear):
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         q, c, d, rounded = int6_grid(weight)
         self._rounded += rounded
+        self._stage_grid(row, q, c, d)
+
+    def _stage_blocks(self, row: int, weight: FileBlocks) -> None:
+        q, c, d = q6_k_grid(weight.blocks())
+        rows = weight.shape[0]
+        self._stage_grid(row, q.reshape(rows, -1), c.reshape(rows, -1), d.reshape(rows, -1))
+
+    def _stage_grid(self, row: int, q: torch.Tensor, c: torch.Tensor, d: torch.Tensor) -> None:
+        """w = d c (q - 32): q uint8 [rows, in], c int8 [rows, in / 16], d fp32 [rows, in / 256]."""
         self._pending[row] = (q, c, d)
         # The run of rows from the first unpacked one, packed in whole tiles of 16 rows
         # (their bytes are contiguous); rows after the last whole tile wait for the next.

@@ -18,11 +18,13 @@ from model.batch import Batch
 from model.config import ModelConfig
 from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
 from model.int6_linear import Int6Linear
+from model.int8_group_linear import Int8GroupLinear
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
-from model.quantized_linear import Int8GroupLinear, QuantizedLinear, quantized_linear
+from model.quantized_linear import QuantizedLinear, quantized_linear
 from model.rope import rotary_embeddings
+from model.weights.file_blocks import FileBlocks
 
 # Linear layers ('layers.3.down_proj') in another quantization than the model's.
 LayerQuantizations = Mapping[str, str]
@@ -227,10 +229,10 @@ class Llama(nn.Module):
         return all_reduce(h * inside.unsqueeze(1).to(h.dtype))
 
     @torch.no_grad()
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | FileBlocks]]) -> None:
         """Copies HF-named tensors into the (fused) parameters; every parameter must be
         filled exactly once, or loading fails naming what is missing. A tensor may come
-        as consecutive blocks of its rows under one name."""
+        as consecutive blocks of its rows under one name, or still in a GGUF file's blocks."""
         c = self.config
         # HF name suffix -> (our parameter suffix, row offset into the fused weight)
         fused = {
@@ -261,7 +263,7 @@ class Llama(nn.Module):
             if name == "lm_head.weight" and c.tie_embeddings:
                 continue  # some tied checkpoints still store a copy
             block_row = rows_in.get(hf_name, 0)
-            rows_in[hf_name] = block_row + (tensor.shape[0] if tensor.dim() > 1 else 1)
+            rows_in[hf_name] = block_row + (tensor.shape[0] if len(tensor.shape) > 1 else 1)
             row = 0
             for hf_part, (ours, offset) in fused.items():
                 if f".{hf_part}." in name:
@@ -281,6 +283,8 @@ class Llama(nn.Module):
             if name in quantized:
                 quantized[name].load_rows(row, tensor)
                 continue
+            if isinstance(tensor, FileBlocks):  # only quantised layers read blocks
+                tensor = tensor.dequantize()
             dest = params[name][row : row + tensor.shape[0]]  # fused rows, or all of it
             if dest.shape != tensor.shape:
                 raise ValueError(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from model import cpu_kernels as kernel_plan
 from model.checkpoint import open_checkpoint
+from model.checkpoint.base import Weights
 from model.config import ModelConfig
 from model.errors import (
     ModelFileError,
@@ -37,6 +38,7 @@ from model.text.llama3_chat import llama3_chat_format
 from model.text.tokenizer import Tokenizer
 from model.weight_format import WeightFormat, resolve_weight_format
 from model.weights.default_model import default_model_path
+from model.weights.file_blocks import FileBlocks
 from model.weights.pypi_models import resolve_model_path
 
 logger = logging.getLogger(__name__)
@@ -102,8 +104,13 @@ def load_model(
     # On the CPU a quantised embedding stays in the file's blocks, read as rows are looked up.
     cpu = torch.device(device).type == "cpu"
     embedding = checkpoint.packed_embedding(fmt.dtype) if cpu and tp is None else None
-    # Quantised layers are filled from the checkpoint's own values, not a rounded copy.
-    weights, presharded = checkpoint.weights(torch.float32 if fmt.quantization else fmt.dtype, tp)
+    # Quantised layers are filled from the checkpoint's own values, not a rounded copy; on
+    # the CPU, from its own blocks where they hold those as they are.
+    weights, presharded = checkpoint.weights(
+        torch.float32 if fmt.quantization else fmt.dtype,
+        tp,
+        file_blocks=cpu and fmt.quantization is not None,
+    )
     if tp is not None and not presharded:
         weights = tp.shard_weights(weights, config)
     own_formats = layer_quantizations(
@@ -140,7 +147,7 @@ def load_model(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model.load_weights((n, t.to(device)) for n, t in _trimming(bar))
+        model.load_weights((n, _to(t, device)) for n, t in _trimming(bar))
     except ValueError as exc:
         if isinstance(exc, ModelFileError | UnsupportedModelError):
             raise
@@ -207,7 +214,7 @@ def checkpoint_config(path: str | Path | None) -> ModelConfig | None:
         return None
 
 
-def _trimming(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+def _trimming(weights: Iterable[tuple[str, torch.Tensor | FileBlocks]]) -> Weights:
     """The weights, with the C heap's free pages handed back each time tensors of
     `TRIM_BYTES` in all have been taken: their temporaries (dequantised blocks, staging)
     otherwise stay resident in glibc's heap, 60-130 MB at a time on Qwen2.5-0.5B, all of
@@ -218,5 +225,10 @@ def _trimming(weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
         if taken >= TRIM_BYTES:
             return_free_heap()
             taken = 0
-        taken += tensor.numel() * tensor.element_size()
+        taken += tensor.nbytes
         yield name, tensor
+
+
+def _to(weight: torch.Tensor | FileBlocks, device: str) -> torch.Tensor | FileBlocks:
+    """File blocks are only handed over on the CPU (`Checkpoint.weights`)."""
+    return weight if isinstance(weight, FileBlocks) else weight.to(device)

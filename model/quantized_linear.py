@@ -8,8 +8,10 @@ machine (model/int4_kernel.py).
 Weights arrive in rows (a fused QKV weight as its Q, K and V parts) and are quantised as
 they come, from the checkpoint's own values, so no full-precision copy of the model is
 ever held: a module keeps only its small integer staging buffer until its last rows are in,
-then packs. A GGUF Q4_1 group (w = d * q + m, q in 0..15) requantises to int4 without loss
-when its q span 0..15: the scale is d and the zero m + 8d. Nothing here knows the network.
+then packs. A GGUF Q4_0, Q4_1 or Q4_K group (w = step q + low, q in 0..15) is int4 as it
+is: the scale is the step and the zero low + 8 step, read from the file's blocks
+(model/weights/file_blocks.py) or found again in their values (model/file_grid.py).
+Nothing here knows the network.
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from model import cpu_kernels
 from model.errors import UnsupportedFormatError
 from model.file_grid import file_grid
 from model.int4_kernel import BF16_ACTIVATION_KERNELS, INT4_KERNELS, NATIVE_INT4_KERNELS
-from model.native.ops import NativeInt4Matmul, NativeInt8Matmul, native_int4_matmul
+from model.native.ops import NativeInt4Matmul, native_int4_matmul
+from model.weights.dequant import q4_grid
+from model.weights.file_blocks import FileBlocks
 
 INT4_GROUP = 32
 FP16_SMALLEST = 2.0**-24  # the smallest positive float16
@@ -61,8 +66,11 @@ class QuantizedLinear(nn.Module):
     def ready(self) -> bool:
         return self._rows_loaded == self.out_features
 
-    def load_rows(self, row: int, weight: torch.Tensor) -> None:
-        """weight: [rows, in_features], any float dtype; rows may come in any order."""
+    def load_rows(self, row: int, weight: torch.Tensor | FileBlocks) -> None:
+        """weight: [rows, in_features], any float dtype, or a GGUF file's blocks of them;
+        rows may come in any order."""
+        if isinstance(weight, FileBlocks) and weight.qtype not in self.block_types:
+            weight = weight.dequantize()
         rows = weight.shape[0]
         if weight.shape[1] != self.in_features or not 0 <= row <= self.out_features - rows:
             raise ValueError(
@@ -75,8 +83,11 @@ class QuantizedLinear(nn.Module):
         # and a whole vocabulary's output weight (113 MB in fp32 for the default model) made
         # them the server's peak memory.
         for start in range(0, rows, STAGE_ROWS):
-            part = weight[start : start + STAGE_ROWS].to(self.device, torch.float32)
-            self._stage(row + start, part)
+            if isinstance(weight, FileBlocks):
+                self._stage_blocks(row + start, weight.rows(start, start + STAGE_ROWS))
+            else:
+                part = weight[start : start + STAGE_ROWS].to(self.device, torch.float32)
+                self._stage(row + start, part)
         self._rows_loaded += rows
         if self.ready:
             self._pack()
@@ -87,6 +98,8 @@ class QuantizedLinear(nn.Module):
 
     staging_dtype: torch.dtype  # the integer type `_stage` writes
     scale_dtype = torch.bfloat16  # what the kernel reads its scales in, whatever the model's
+    # GGUF block types the format holds as they are, staged by `_stage_blocks`.
+    block_types: frozenset[T] = frozenset()
 
     def _new_staging(self) -> torch.Tensor:
         return torch.empty(
@@ -94,6 +107,9 @@ class QuantizedLinear(nn.Module):
         )
 
     def _stage(self, row: int, weight: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _stage_blocks(self, row: int, weight: FileBlocks) -> None:
         raise NotImplementedError
 
     def _pack(self) -> None:
@@ -162,6 +178,8 @@ class Int4Linear(QuantizedLinear):
         )
         self.register_buffer("weight_int4", torch.empty(0, dtype=torch.uint8, device=device))
 
+    block_types = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         rows = weight.shape[0]
         groups = weight.reshape(rows, -1, INT4_GROUP)
@@ -169,7 +187,19 @@ class Int4Linear(QuantizedLinear):
         scale = ((groups.amax(dim=-1, keepdim=True) - low) / 15.0).clamp(min=1e-12)
         scale = torch.where(*file_grid(groups, low), scale)
         q = ((groups - low) / scale).round().clamp(0, 15)
-        self._staging[row : row + rows] = q.reshape(rows, -1).to(torch.uint8)
+        self._stage_grid(row, q.to(torch.uint8), scale, low)
+
+    def _stage_blocks(self, row: int, weight: FileBlocks) -> None:
+        q, step, low = q4_grid(weight.blocks(), weight.qtype)
+        rows = weight.shape[0]
+        self._stage_grid(row, q, step.reshape(rows, -1, 1), low.reshape(rows, -1, 1))
+
+    def _stage_grid(
+        self, row: int, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
+    ) -> None:
+        """w = scale q + low: q in 0..15, scale and low [rows, groups, 1] in float32."""
+        rows = scale.shape[0]
+        self._staging[row : row + rows] = q.reshape(rows, -1)
         zero = low + 8.0 * scale
         pairs = torch.cat([scale, zero], dim=-1).transpose(0, 1)  # [groups, rows, 2]
         self.scales_and_zeros[:, row : row + rows] = pairs.to(torch.bfloat16)
@@ -203,72 +233,6 @@ class Int4Linear(QuantizedLinear):
         return f"{super().extra_repr()}, kernel={self.kernel}"
 
 
-class Int8GroupLinear(QuantizedLinear):
-    """Symmetric int8 in groups of 32 input columns, fp16 scales, on the C kernel. It holds
-    GGUF's Q8_0 exactly and the 4- to 6-bit types within a sixteenth of their own step,
-    and reads half the bytes of a bf16 copy. As the output
-    projection it keeps the kernel's fp32 output (the logits); tied, it is the embedding
-    too (`embed`), so the vocabulary's weights exist once. As a decoder layer ("int8g")
-    its output takes the activations' dtype, the residual stream's."""
-
-    staging_dtype = torch.int8
-    scale_dtype = torch.float16
-
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        device: torch.device | str,
-        fp32_output: bool = True,
-    ) -> None:
-        if in_features % INT4_GROUP or out_features % 16:
-            raise UnsupportedFormatError(
-                f"grouped int8 needs in_features divisible by {INT4_GROUP} and out_features "
-                f"by 16, got [{out_features}, {in_features}]"
-            )
-        super().__init__(in_features, out_features, device)
-        self.fp32_output = fp32_output
-        self._native: NativeInt8Matmul | None = None
-        groups = in_features // INT4_GROUP
-        self.register_buffer(
-            "scales", torch.empty(out_features, groups, dtype=torch.float16, device=device)
-        )
-        self.register_buffer("weight_int8", torch.empty(0, dtype=torch.int8, device=device))
-
-    def _stage(self, row: int, weight: torch.Tensor) -> None:
-        rows = weight.shape[0]
-        groups = weight.reshape(rows, -1, INT4_GROUP)
-        scale = fp16_scales(groups.abs().amax(dim=-1, keepdim=True) / 127.0)
-        q = (groups / scale.float()).round().clamp(-127, 127)
-        self._staging[row : row + rows] = q.reshape(rows, -1).to(torch.int8)
-        self.scales[row : row + rows] = scale.squeeze(-1)
-
-    def _pack(self) -> None:
-        self._native = NativeInt8Matmul()
-        self.weight_int8, self.scales = self._native.pack(self._staging, self.scales)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.first_outputs(x, self.out_features)
-
-    def first_outputs(self, x: torch.Tensor, n: int) -> torch.Tensor:
-        """The first n outputs: the tiles of 16 that hold them are a prefix of the bytes."""
-        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        tiled = -(-n // 16) * 16
-        weight = self.weight_int8[: tiled * self.in_features]
-        scales = self.scales[: tiled * self.in_features // INT4_GROUP]
-        out = self._native(flat, weight, scales, tiled)[:, :n]
-        if not self.fp32_output:
-            out = out.to(x.dtype)
-        return out.reshape(*x.shape[:-1], n)
-
-    def embed(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Rows `ids` of the weight in `dtype`: the tied embedding's lookup."""
-        rows = NativeInt8Matmul.rows(
-            self.weight_int8, self.scales, ids.reshape(-1), self.in_features
-        )
-        return rows.to(dtype).reshape(*ids.shape, self.in_features)
-
-
 def quantized_linear(
     quantization: str, in_features: int, out_features: int, device: torch.device | str
 ) -> QuantizedLinear:
@@ -280,10 +244,12 @@ def quantized_linear(
     model in w4a8."""
     if quantization == "int8":
         return Int8Linear(in_features, out_features, device)
+    # The other formats' modules build on this one's QuantizedLinear: imported here.
     if quantization == "int8g":
+        from model.int8_group_linear import Int8GroupLinear
+
         return Int8GroupLinear(in_features, out_features, device, fp32_output=False)
     if quantization in ("int5", "w5a8"):
-        # Imported here: model/int5_linear.py builds on this module's QuantizedLinear.
         from model.int5_linear import Int5Linear
 
         return Int5Linear(in_features, out_features, device, quantization == "w5a8")

@@ -16,8 +16,9 @@ from model import cpu_kernels
 from model.decoder_layer import RMSNorm
 from model.errors import UnsupportedFormatError
 from model.greedy import greedy_tokens
+from model.int8_group_linear import Int8GroupLinear
 from model.loader import checkpoint_config, load_model
-from model.quantized_linear import Int4Linear, Int8GroupLinear
+from model.quantized_linear import Int4Linear
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 

@@ -13,10 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from model import cpu_kernels, layer_formats, weight_format
 from model.batch import Batch
 from model.int6_linear import Int6Linear
+from model.int8_group_linear import Int8GroupLinear
 from model.llama import Llama
 from model.loader import load_model
 from model.paged_cache import PagedKVCache
-from model.quantized_linear import Int4Linear, Int8GroupLinear
+from model.quantized_linear import Int4Linear
 from tests.tiny_families import write_gguf
 from tests.tiny_models import write_tiny_tokenizer
 

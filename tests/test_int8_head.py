@@ -15,11 +15,12 @@ import model.head_format as head_format
 from model.batch import Batch
 from model.config import ModelConfig
 from model.head_format import choose_head_int8
+from model.int8_group_linear import Int8GroupLinear
 from model.llama import Llama
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt8Matmul
 from model.paged_cache import PagedKVCache
-from model.quantized_linear import Int8GroupLinear, fp16_scales
+from model.quantized_linear import fp16_scales
 from model.weight_format import WeightFormat
 from model.weights.default_model import default_model_path
 from model.weights.gguf import output_quantized

@@ -14,13 +14,14 @@ from model.config import ModelConfig
 from model.decoder_layer import _native_weight
 from model.errors import UnsupportedFormatError
 from model.int5_linear import Int5Linear
+from model.int8_group_linear import Int8GroupLinear
 from model.llama import Llama
 from model.loader import load_model
 from model.native.build import cpu_flags
 from model.native.layer import INT5_A8
 from model.native.ops import NativeInt4Matmul
 from model.paged_cache import PagedKVCache
-from model.quantized_linear import Int4Linear, Int8GroupLinear
+from model.quantized_linear import Int4Linear
 from model.weight_format import (
     WeightFormat,
     candidate_formats,

@@ -14,8 +14,9 @@ from model.errors import ModelFileError, TokenizerError
 from model.parallel.plan import TensorParallel
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
+from model.weights.file_blocks import FileBlocks
 
-Weights = Iterator[tuple[str, torch.Tensor]]
+Weights = Iterator[tuple[str, torch.Tensor | FileBlocks]]
 
 
 class Checkpoint(ABC):
@@ -38,10 +39,14 @@ class Checkpoint(ABC):
     head_block_type: str | None = None
 
     @abstractmethod
-    def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
+    def weights(
+        self, dtype: torch.dtype, tp: TensorParallel | None, file_blocks: bool = False
+    ) -> tuple[Weights, bool]:
         """HF-named tensors in `dtype` (quantised GGUF blocks dequantised), and whether
         they are already `tp`'s rank's slices (else the loader cuts them). Without `tp`, a
-        large tensor may come as consecutive blocks of its rows under its one name."""
+        large tensor may come as consecutive blocks of its rows under its one name. With
+        `file_blocks`, a format that stores blocks some quantised layer holds as they are
+        may hand them over undecoded (model/weights/file_blocks.py)."""
 
     def packed_embedding(self, dtype: torch.dtype) -> torch.nn.Module | None:
         """The token embedding as a module that reads the file's quantised rows as they

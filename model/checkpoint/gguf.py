@@ -16,6 +16,7 @@ from model.text.tokenizer import Tokenizer
 from model.text.tokenizer_files import tokenizer_from_gguf
 from model.weights.default_model import DEFAULT_MODEL_NAME, default_model_path_or_none
 from model.weights.dequant import FLOAT_TYPES
+from model.weights.file_blocks import LAYER_BLOCK_TYPES
 from model.weights.gguf import (
     check_tensor_types,
     count_gguf_tensors,
@@ -46,11 +47,17 @@ class GGUFCheckpoint(Checkpoint):
         self._handed_over: set[str] = set()  # by `packed_embedding`
         self.name = DEFAULT_MODEL_NAME if path == default_model_path_or_none() else path.stem
 
-    def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
-        # The loader cuts a rank's slices from whole tensors, so under `tp` none comes in blocks.
+    def weights(
+        self, dtype: torch.dtype, tp: TensorParallel | None, file_blocks: bool = False
+    ) -> tuple[Weights, bool]:
+        # The loader cuts a rank's slices from whole tensors, so under `tp` none comes in
+        # blocks of rows, nor undecoded.
         blocks, skip = tp is None, frozenset(self._handed_over)
         self.num_tensors = count_gguf_tensors(self.gguf, self.config, blocks, skip)
-        weights = iter_gguf_weights(self.gguf, self.config, dtype, row_blocks=blocks, skip=skip)
+        undecoded = LAYER_BLOCK_TYPES if file_blocks and tp is None else frozenset()
+        weights = iter_gguf_weights(
+            self.gguf, self.config, dtype, row_blocks=blocks, skip=skip, file_blocks=undecoded
+        )
         return weights, False
 
     def packed_embedding(self, dtype: torch.dtype) -> PackedEmbedding | None:

@@ -26,7 +26,9 @@ class HFCheckpoint(Checkpoint):
         self.files = safetensors_files(path)
         self.num_tensors = count_tensors(self.files)
 
-    def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
+    def weights(
+        self, dtype: torch.dtype, tp: TensorParallel | None, file_blocks: bool = False
+    ) -> tuple[Weights, bool]:
         # Each rank reads only its own slices from disk.
         cut = tp.cut(self.config) if tp is not None else None
         tensors = iter_safetensors(self.files, dtype, cut=cut)

@@ -35,7 +35,9 @@ class MetaCheckpointDir(Checkpoint):
         )
         self.num_tensors = count_meta_tensors(self.checkpoint)
 
-    def weights(self, dtype: torch.dtype, tp: TensorParallel | None) -> tuple[Weights, bool]:
+    def weights(
+        self, dtype: torch.dtype, tp: TensorParallel | None, file_blocks: bool = False
+    ) -> tuple[Weights, bool]:
         if tp is not None and files_match_ranks(self.checkpoint, self.config, tp.size):
             return iter_meta_rank_weights(self.checkpoint, self.config, tp.rank, dtype), True
         return iter_meta_weights(self.checkpoint, self.config, dtype), False

@@ -64,8 +64,8 @@ def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_q8_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = blocks[:, 2:].view(torch.int8).to(torch.float32)
-    return q.mul_(_f16(blocks, 0))
+    q, d = q8_0_grid(blocks)
+    return q.to(torch.float32).mul_(d)
 
 
 def _decode_q4_0(blocks: torch.Tensor) -> torch.Tensor:
@@ -79,8 +79,8 @@ def _decode_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_q5_0(blocks: torch.Tensor) -> torch.Tensor:
-    q = (_nibbles(blocks[:, 6:]) | (_fifth_bits(blocks[:, 2:6]) << 4)).to(torch.float32)
-    return q.sub_(16).mul_(_f16(blocks, 0))
+    q, d = q5_0_grid(blocks)
+    return q.to(torch.float32).sub_(16).mul_(d)
 
 
 def _decode_q5_1(blocks: torch.Tensor) -> torch.Tensor:
@@ -129,13 +129,9 @@ def _decode_q3_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # f16 d, f16 dmin, scales[12], qs[128]: 8 sub-blocks of 32, each with a scale and a min
-    n_blocks = blocks.shape[0]
-    scales, mins = _scale_min_k4(blocks[:, 4:16])
-    dl, ml = _f16(blocks, 0).unsqueeze(-1) * scales, _f16(blocks, 2).unsqueeze(-1) * mins
-    # Each 32-byte chunk holds sub-block 2k in its low nibbles and 2k+1 in its high ones.
-    q = _split_bits(blocks[:, 16:].reshape(n_blocks, 4, 32), 4).reshape(n_blocks, 8, 32)
-    return q.to(torch.float32).mul_(dl).sub_(ml).reshape(n_blocks, QK_K)
+    q, step, low = q4_k_grid(blocks)
+    # low is -(dmin m): adding it rounds as ggml's subtraction of dmin m does.
+    return q.to(torch.float32).mul_(step).add_(low).reshape(blocks.shape[0], QK_K)
 
 
 def _decode_q5_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -150,14 +146,60 @@ def _decode_q5_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 def _decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
+    n_blocks = blocks.shape[0]
+    q, c, d = q6_k_grid(blocks)
+    q = q.to(torch.float32).sub_(32).reshape(n_blocks, 16, 16)
+    return q.mul_((d * c.to(torch.float32)).unsqueeze(-1)).reshape(n_blocks, QK_K)
+
+
+# The grids below are the integers and scales of the block types a quantised layer holds
+# as they are (model/weights/file_blocks.py): the decoders above are these times their
+# scales.
+
+
+def q8_0_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = d q: q int8 [n_blocks, 32], d float16 [n_blocks, 1]."""
+    return blocks[:, 2:].view(torch.int8), blocks[:, :2].contiguous().view(torch.float16)
+
+
+def q5_0_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w = d (q - 16): q uint8 in 0..31 [n_blocks, 32], d float16 [n_blocks, 1]."""
+    q = _nibbles(blocks[:, 6:]) | (_fifth_bits(blocks[:, 2:6]) << 4)
+    return q, blocks[:, :2].contiguous().view(torch.float16)
+
+
+def q4_grid(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, ...]:
+    """w = step q + low for Q4_0, Q4_1 and Q4_K: q uint8 in 0..15 [n_blocks, groups, 32],
+    step and low float32 [n_blocks, groups, 1] (a group of 32 per block, 8 per Q4_K
+    block), each as ggml's reference rounds it."""
+    if qtype == GGMLQuantizationType.Q4_K:
+        return q4_k_grid(blocks)
+    q = _nibbles(blocks[:, 2:] if qtype == GGMLQuantizationType.Q4_0 else blocks[:, 4:])
+    step = _f16(blocks, 0)
+    # Q4_0's w = d (q - 8): d q - 8 d is exact in float32 (11 and 4 significant bits).
+    low = step * -8.0 if qtype == GGMLQuantizationType.Q4_0 else _f16(blocks, 2)
+    return q.unsqueeze(1), step.unsqueeze(1), low.unsqueeze(1)
+
+
+def q4_k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # f16 d, f16 dmin, scales[12], qs[128]: 8 sub-blocks of 32, each with a scale and a min
+    n_blocks = blocks.shape[0]
+    scales, mins = _scale_min_k4(blocks[:, 4:16])
+    step, low = _f16(blocks, 0).unsqueeze(-1) * scales, _f16(blocks, 2).unsqueeze(-1) * mins
+    # Each 32-byte chunk holds sub-block 2k in its low nibbles and 2k+1 in its high ones.
+    q = _split_bits(blocks[:, 16:].reshape(n_blocks, 4, 32), 4).reshape(n_blocks, 8, 32)
+    return q, step, low.neg_()
+
+
+def q6_k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w = d c (q - 32): q uint8 in 0..63 [n_blocks, 256], c int8 per 16 [n_blocks, 16],
+    d float32 [n_blocks, 1]."""
     # ql[128] (low 4 bits), qh[64] (high 2 bits), int8 scales[16], f16 d
     n_blocks = blocks.shape[0]
     low = _split_bits(blocks[:, :128].reshape(n_blocks, 2, 64), 4).reshape(n_blocks, 8, 32)
     high = _split_bits(blocks[:, 128:192].reshape(n_blocks, 2, 32), 2).reshape(n_blocks, 8, 32)
-    q = (low | (high << 4)).to(torch.float32).sub_(32).reshape(n_blocks, 16, 16)
-    scales = blocks[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
-    dl = (_f16(blocks, 208) * scales).unsqueeze(-1)
-    return q.mul_(dl).reshape(n_blocks, QK_K)
+    c = blocks[:, 192:208].contiguous().view(torch.int8)
+    return (low | (high << 4)).reshape(n_blocks, QK_K), c, _f16(blocks, 208)
 
 
 _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tensor]] = {

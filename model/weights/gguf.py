@@ -13,11 +13,13 @@ from collections.abc import Iterator
 from math import prod
 
 import torch
+from gguf import GGMLQuantizationType
 
 from model.config import ModelConfig
 from model.errors import ModelFileError
 from model.families import FAMILIES
 from model.weights.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
+from model.weights.file_blocks import FileBlocks
 from model.weights.gguf_file import GGUFFile, GGUFTensor
 
 _GLOBAL_NAMES = {
@@ -84,11 +86,12 @@ def iter_gguf_weights(
     dtype: torch.dtype,
     row_blocks: bool = True,
     skip: frozenset[str] = frozenset(),
-) -> Iterator[tuple[str, torch.Tensor]]:
+    file_blocks: frozenset[GGMLQuantizationType] = frozenset(),
+) -> Iterator[tuple[str, torch.Tensor | FileBlocks]]:
     """With `row_blocks`, a large tensor may come as consecutive blocks of its rows, each
     under the tensor's name, in order (`Llama.load_weights` takes them so); Q and K, whose
     rows are reordered per head, always come whole. The GGUF tensors named in `skip` are
-    left out."""
+    left out; matrices of the block types in `file_blocks` come undecoded, as FileBlocks."""
     permuted = FAMILIES[config.architecture].gguf_permutes_qk
     for tensor in gguf.tensors:
         if tensor.name in _IGNORED or tensor.name in skip:
@@ -106,14 +109,20 @@ def iter_gguf_weights(
                 gguf.read(tensor, first * row_bytes, count * row_bytes), dtype=torch.uint8
             )
             part = (count, *shape[1:]) if len(shape) > 1 else shape
-            try:
-                weight = dequantize(raw, tensor.tensor_type, part, dtype)
-            except UnsupportedQuantType as exc:
-                raise ModelFileError(f"{gguf.path}: tensor {tensor.name}: {exc}") from None
+            undecoded = tensor.tensor_type in file_blocks and len(shape) == 2
+            if undecoded:
+                weight = raw.view(count, row_bytes)  # Q and K reorder rows of bytes alike
+            else:
+                try:
+                    weight = dequantize(raw, tensor.tensor_type, part, dtype)
+                except UnsupportedQuantType as exc:
+                    raise ModelFileError(f"{gguf.path}: tensor {tensor.name}: {exc}") from None
             if permuted and tensor.name.endswith("attn_q.weight"):
                 weight = interleaved_to_halves(weight, config.n_heads)
             elif permuted and tensor.name.endswith("attn_k.weight"):
                 weight = interleaved_to_halves(weight, config.n_kv_heads)
+            if undecoded:
+                weight = FileBlocks(weight, tensor.tensor_type, shape[1], dtype)
             yield name, weight
 
 

@@ -1,0 +1,48 @@
+"""Rows of a GGUF matrix still in the file's quantisation blocks, handed to a quantised
+layer that holds their block type as it is: int4 a Q4_0, Q4_1 or Q4_K block (a scale and a
+minimum per group of 32), int5 a Q5_0 one, int6 a Q6_K one, grouped int8 a Q8_0 one. Such a
+layer reads the integers and scales from the bytes (`model/weights/dequant.py`'s grids)
+instead of finding them again in dequantised floats: loading Qwen2.5-Coder-1.5B's Q4_K_M
+spent 12 of its 25 s searching float32 copies for the grids the file states. Any other
+destination dequantises them (`dequantize`), as the loader did before."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from model.weights.dequant import dequantize
+
+T = GGMLQuantizationType
+# The block types some quantised layer holds as they are.
+LAYER_BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0})
+
+
+@dataclass(frozen=True)
+class FileBlocks:
+    """raw: uint8 [rows, bytes a row]; width: weights a row; dtype: what `dequantize` gives."""
+
+    raw: torch.Tensor
+    qtype: GGMLQuantizationType
+    width: int
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.width
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.numel()
+
+    def rows(self, start: int, end: int) -> FileBlocks:
+        return replace(self, raw=self.raw[start:end])
+
+    def blocks(self) -> torch.Tensor:
+        """The rows' blocks, [rows * blocks a row, bytes a block], in the file's order."""
+        return self.raw.reshape(-1, GGML_QUANT_SIZES[self.qtype][1])
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize(self.raw, self.qtype, self.shape, self.dtype)
