@@ -19,6 +19,7 @@ from model.config import ModelConfig
 from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
 from model.int6_linear import Int6Linear
 from model.int8_group_linear import Int8GroupLinear
+from model.meta_init import skeleton
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
@@ -61,7 +62,8 @@ class Llama(nn.Module):
         # projection's int8 weight, and embed_tokens keeps no rows.
         self.embed_from_head = False
         self.tie_weights()
-        self.rope, self.rope_local = rotary_embeddings(config, max_position, device)
+        if torch.device(device).type != "meta":  # else `empty` makes them on its device
+            self.rope, self.rope_local = rotary_embeddings(config, max_position, device)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -90,8 +92,7 @@ class Llama(nn.Module):
             layer.rope_kernel = kernel
 
     def use_native_layers(self) -> int:
-        """Every decoder layer whose parts all fit runs around attention in two native
-        calls (model/native/layer.py says what fits). Returns how many do."""
+        """Native decoder layers where their parts fit (model/native/layer.py): how many."""
         return sum(layer.use_native() for layer in self.layers)
 
     def quantize_linears(
@@ -147,7 +148,7 @@ class Llama(nn.Module):
         ones, filled as the weights load (`layer_quantizations`' layers in their own); with
         `head_int8`, the output projection too (grouped int8, model/quantized_linear.py, or
         with `head_int6` int6, model/int6_linear.py)."""
-        with torch.device("meta"):
+        with skeleton():
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
                 model.quantize_linears(quantization, layer_quantizations)
