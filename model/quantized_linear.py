@@ -34,6 +34,7 @@ INT4_GROUP = 32
 FP16_SMALLEST = 2.0**-24  # the smallest positive float16
 FP16_LARGEST = 65504.0
 STAGE_ROWS = 256
+STAGE_BLOCK_ROWS = 2048
 QUANTIZATIONS = ("int8", "int8g", "int4", "w4a8")
 # Formats the loader gives single layers, never a whole model (no flag asks for them).
 LAYER_ONLY_QUANTIZATIONS = ("int5", "w5a8", "int6")
@@ -82,9 +83,11 @@ class QuantizedLinear(nn.Module):
         # In slices: quantising takes a few float temporaries the size of what it is given,
         # and a whole vocabulary's output weight (113 MB in fp32 for the default model) made
         # them the server's peak memory.
-        for start in range(0, rows, STAGE_ROWS):
-            if isinstance(weight, FileBlocks):
-                self._stage_blocks(row + start, weight.rows(start, start + STAGE_ROWS))
+        blocks = isinstance(weight, FileBlocks)
+        # File blocks unpack into a few small temporaries: they come in larger slices.
+        for start in range(0, rows, STAGE_BLOCK_ROWS if blocks else STAGE_ROWS):
+            if blocks:
+                self._stage_blocks(row + start, weight.rows(start, start + STAGE_BLOCK_ROWS))
             else:
                 part = weight[start : start + STAGE_ROWS].to(self.device, torch.float32)
                 self._stage(row + start, part)

@@ -53,8 +53,8 @@ class GGUFCheckpoint(Checkpoint):
         # The loader cuts a rank's slices from whole tensors, so under `tp` none comes in
         # blocks of rows, nor undecoded.
         blocks, skip = tp is None, frozenset(self._handed_over)
-        self.num_tensors = count_gguf_tensors(self.gguf, self.config, blocks, skip)
         undecoded = LAYER_BLOCK_TYPES if file_blocks and tp is None else frozenset()
+        self.num_tensors = count_gguf_tensors(self.gguf, self.config, blocks, skip, undecoded)
         weights = iter_gguf_weights(
             self.gguf, self.config, dtype, row_blocks=blocks, skip=skip, file_blocks=undecoded
         )
