@@ -290,3 +290,23 @@ def test_gguf_pre_tokenizer_names(trained, cases, gguf_pre, reference_pre):
     # The reference matches special-token text as specials: ours does that only when allowed.
     text = "a <|endoftext|> b"
     assert ours.encode(text, allow_special=True) == reference.encode(text).ids
+
+
+@pytest.mark.parametrize(
+    "tokens, merges, named",
+    [
+        # A raw space, a control character and a CJK character stand for no byte in GPT-2's
+        # byte-to-unicode form (a space is "Ġ"), in a token or in a merge.
+        (["a", "b", "a b"], [], "token 2 'a b'"),
+        (["a", "\x07"], [], "token 1"),
+        (["a", "中"], [], "token 1"),
+        (["a", "b", "ab"], [("a", " b")], "merge 0"),
+    ],
+)
+def test_a_vocabulary_that_is_not_byte_level_is_refused(tokens, merges, named) -> None:
+    """Every character of a byte-level BPE token stands for one byte; Ġ (U+0120) for a
+    space, ā (U+0101) for byte 1."""
+    with pytest.raises(TokenizerError, match=named):
+        Tokenizer(tokens=tokens, merges=merges, added={}, pattern=r"\S+", eos_id=0)
+    byte_level = Tokenizer(tokens=["Ġ", "ā", "a"], merges=[], added={}, pattern=r"\S+", eos_id=0)
+    assert byte_level.decode([0, 2, 1]) == " a\x01"

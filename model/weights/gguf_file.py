@@ -24,6 +24,7 @@ from model.errors import ModelFileError
 
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+_SIZE = struct.Struct("<Q")  # a string's length in bytes
 _SCALARS = {
     GGUFValueType.UINT8: "<B",
     GGUFValueType.INT8: "<b",
@@ -87,6 +88,20 @@ class _Cursor:
         self.pos += size
         return raw.decode("utf-8", errors="replace")
 
+    def strings(self, count: int) -> list[str]:
+        """An array of strings in one loop: a vocabulary and its merges are 300,000 of them,
+        and reading each as a value of its own took Qwen2.5's file 0.38 s to open, not 0.13."""
+        buf, pos, end, strings = self.buf, self.pos, len(self.buf), []
+        for _ in range(count):
+            (size,) = _SIZE.unpack_from(buf, pos)
+            pos += 8
+            if pos + size > end:
+                raise ValueError("a string runs past the end of the file")
+            strings.append(buf[pos : pos + size].decode("utf-8", errors="replace"))
+            pos += size
+        self.pos = pos
+        return strings
+
     def value(self, kind: int) -> Any:
         kind = GGUFValueType(kind)
         if kind == GGUFValueType.STRING:
@@ -95,6 +110,8 @@ class _Cursor:
             item_kind, count = self.unpack("<I"), self.unpack("<Q")
             if count > len(self.buf):
                 raise ValueError("an array longer than the file")
+            if item_kind == GGUFValueType.STRING:
+                return self.strings(count)
             if item_kind in _SCALARS:  # one unpack for the whole array
                 fmt = _SCALARS[GGUFValueType(item_kind)]
                 values = struct.unpack_from(f"<{count}{fmt[1]}", self.buf, self.pos)
