@@ -19,7 +19,7 @@ from model.config import ModelConfig
 from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
 from model.int6_linear import Int6Linear
 from model.int8_group_linear import Int8GroupLinear
-from model.meta_init import skeleton
+from model.meta_init import materialise, skeleton
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
@@ -156,7 +156,7 @@ class Llama(nn.Module):
                 model.quantize_head(head_int6)
         # The dtype is set while the tensors are still shapes: materialising in fp32 and
         # then casting held both copies of the embedding at once.
-        model = model.to(dtype).to_empty(device=device)
+        model = materialise(model, dtype, device)
         for module in model.quantized_modules().values():
             # Each kernel reads its scales in its own dtype, whatever the model's.
             module.to(module.scale_dtype)

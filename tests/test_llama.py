@@ -150,18 +150,19 @@ def test_flat_batch_equals_each_alone(pair, device):
     assert (mixed.cpu() - torch.cat(alone).cpu()).abs().max().item() < 1e-4
 
 
-def test_an_empty_model_is_built_without_importing_dynamo() -> None:
+def test_an_empty_model_is_built_without_importing_dynamo_or_sympy() -> None:
     """`Llama.empty` builds its skeleton on the meta device with the init's random fills
-    skipped (model/meta_init.py): on meta tensors they run through Python decompositions
-    whose first use imports torch._dynamo, 1.6 s of a server's start. In a fresh
-    interpreter, loading the default model leaves it unimported."""
+    skipped and makes its tensors real with plain factories (model/meta_init.py): on meta
+    tensors the fills and `empty_like` run through Python decompositions that import
+    torch._dynamo and sympy, 2 s of a server's start. In a fresh interpreter, loading the
+    default model leaves both unimported."""
     code = (
         "import sys; from model.loader import load_model; load_model(progress=False); "
-        "print('torch._dynamo' in sys.modules)"
+        "print('torch._dynamo' in sys.modules, 'sympy' in sys.modules)"
     )
     root = Path(__file__).resolve().parent.parent
     run = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120
     )
     assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.split()[-1] == "False"
+    assert run.stdout.split()[-2:] == ["False", "False"]
