@@ -155,6 +155,7 @@ class Int4Linear(QuantizedLinear):
     bf16 activations) for this shape, timed once per process."""
 
     staging_dtype = torch.uint8
+    block_types = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 
     def __init__(
         self,
@@ -180,8 +181,6 @@ class Int4Linear(QuantizedLinear):
             torch.empty(groups, out_features, 2, dtype=torch.bfloat16, device=device),
         )
         self.register_buffer("weight_int4", torch.empty(0, dtype=torch.uint8, device=device))
-
-    block_types = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
 
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         rows = weight.shape[0]
