@@ -31,12 +31,16 @@ BLOCK = 8
 
 @pytest.fixture(scope="module")
 def pair(qwen_coder_small):
+    # The C kernels pinned (`--cpu-kernels native`), the format still chosen: where a busy
+    # machine's start-up timing takes the bf16 output projection, its bf16 logits round by
+    # the batch's shape and a verified row's logprobs move (tests/test_speculation.py).
     target = load_model(
         pypi_model_path("qwen2.5-coder-1.5b-instruct"),
         "cpu",
         "auto",
         quantization="auto",
         progress=False,
+        cpu_kernels="native",
     )
     return target, qwen_coder_small
 
