@@ -9,6 +9,9 @@ plain chat prompts. `make bench` runs it as scenario s.
 
 Each prompt runs greedy to its end or max_tokens through /v1/chat/completions, one after
 another; a fresh server of each kind, the same prompts. Only ratios from one run compare.
+The servers run in rounds, every other one in reverse order, and each figure is the mean
+over the rounds: this machine's speed drifts by 5-10% over minutes, and in one fixed order
+the drift lands on whichever server comes last.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable
 
 import httpx
 
@@ -98,33 +102,59 @@ def race(
     spec: dict = SPEC,
     draft: str | None = None,
     draft_tokens: int = DRAFT_TOKENS,
+    rounds: int = 2,
 ) -> None:
     """llamaserve without guessing, with n-gram lookup and, given a `draft` model, with
-    it; and then llama-server on the same pair, without and with `--model-draft`."""
+    it; and llama-server on the same pair, without and with `--model-draft`."""
     print(f"\ns: one client, greedy, {max_tokens} tokens at most, n-gram {json.dumps(spec)}")
     variants = {"plain": [], "ngram": ["--speculative-config", json.dumps(spec)]}
     if draft is not None:
         draft_spec = {"model": draft, "num_speculative_tokens": draft_tokens}
         variants["draft"] = ["--speculative-config", json.dumps(draft_spec)]
         print(f"draft model {draft}, {draft_tokens} guesses a step on both servers")
-    results: dict[str, dict[str, float]] = {}
-    answers: dict[str, list[str]] = {name: [] for name in variants}
-    for name, flags in variants.items():
-        port = free_port()
-        command = llamaserve_command(model or "", port, threads, [*flags, *extra])
-        if model is None:  # the bundled model
-            command.remove("")
-        results[name] = measure(f"llamaserve-{name}", command, port, max_tokens, answers[name])
+
+    def ours(flags: list[str]) -> Callable[[int], list[str]]:
+        def command(port: int) -> list[str]:
+            parts = llamaserve_command(model or "", port, threads, [*flags, *extra])
+            return parts if model is not None else [p for p in parts if p]  # the bundled one
+
+        return command
+
+    def theirs(flags: tuple[str, ...]) -> Callable[[int], list[str]]:
+        def command(port: int) -> list[str]:
+            return llama_server_command(
+                binary, target, port, threads, slots=1, context=4096, extra=flags
+            )
+
+        return command
+
+    commands = {f"llamaserve-{name}": ours(flags) for name, flags in variants.items()}
     binary = llama_server_binary() if draft is not None and model is not None else None
     if binary is not None:
         target, drafter = resolve_model_path(model), resolve_model_path(draft)
         draft_flags = ("--model-draft", str(drafter), "--spec-draft-n-max", str(draft_tokens))
-        for name, flags in (("llama-server", ()), ("llama-server-draft", draft_flags)):
+        commands["llama-server"] = theirs(())
+        commands["llama-server-draft"] = theirs(draft_flags)
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in commands}
+    answers: dict[str, list[str]] = {name: [] for name in variants}
+    for done in range(rounds):
+        order = list(commands) if done % 2 == 0 else list(reversed(commands))
+        print(f"round {done + 1} of {rounds}: {', '.join(order)}")
+        for label in order:
             port = free_port()
-            command = llama_server_command(
-                binary, target, port, threads, slots=1, context=4096, extra=flags
-            )
-            results[name] = measure(name, command, port, max_tokens)
+            name = label.removeprefix("llamaserve-")
+            texts = answers[name] if name in variants and done == 0 else None
+            runs[label].append(measure(label, commands[label](port), port, max_tokens, texts))
+    results = {
+        label.removeprefix("llamaserve-"): {
+            kind: sum(run[kind] for run in each) / len(each) for kind in PROMPTS
+        }
+        for label, each in runs.items()
+    }
+    for kind in PROMPTS:
+        for name, each in runs.items():
+            figures = " / ".join(f"{run[kind]:.1f}" for run in each)
+            print(f"{kind}, {name}: {figures} tok/s by round")
     for name in variants:
         same = sum(a == b for a, b in zip(answers[name], answers["plain"], strict=True))
         print(f"llamaserve-{name}: {same} of {len(answers['plain'])} answers as without guessing")
@@ -160,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-draft-tokens", type=int, default=DRAFT_TOKENS)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--rounds", type=int, default=2, help="every other one in reverse order")
     p.add_argument("--speculative-config", default=json.dumps(SPEC), help="the n-gram config")
     p.add_argument("--llamaserve-args", nargs=argparse.REMAINDER, default=[])
     args = p.parse_args(argv)
@@ -172,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
         spec,
         args.draft_model,
         args.num_draft_tokens,
+        args.rounds,
     )
 
 
