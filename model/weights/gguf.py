@@ -105,7 +105,7 @@ def iter_gguf_weights(
             raise ModelFileError(f"{gguf.path}: unexpected tensor {tensor.name!r}")
         shape = tuple(reversed(tensor.shape))
         rows = shape[0] if len(shape) > 1 else 1
-        undecoded = tensor.tensor_type in file_blocks and len(shape) == 2
+        undecoded = _undecoded(tensor, file_blocks)
         block = _block_rows(tensor, permuted, undecoded) if row_blocks else rows
         row_bytes = tensor.nbytes // rows
         for first in range(0, rows, block):
@@ -230,7 +230,14 @@ def count_gguf_tensors(
     if not row_blocks:
         return len(tensors)
     return sum(
-        -(-(t.shape[-1] if len(t.shape) > 1 else 1) // _block_rows(t, permuted, undecoded))
+        -(
+            -(t.shape[-1] if len(t.shape) > 1 else 1)
+            // _block_rows(t, permuted, _undecoded(t, file_blocks))
+        )
         for t in tensors
-        for undecoded in [t.tensor_type in file_blocks and len(t.shape) == 2]
     )
+
+
+def _undecoded(tensor: GGUFTensor, file_blocks: frozenset[GGMLQuantizationType]) -> bool:
+    """Whether `iter_gguf_weights` hands the tensor over as FileBlocks: a matrix of those types."""
+    return tensor.tensor_type in file_blocks and len(tensor.shape) == 2
