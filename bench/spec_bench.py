@@ -32,7 +32,12 @@ from bench.servers import (
 )
 from model.weights.pypi_models import resolve_model_path
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 3}
+SPEC = {
+    "method": "ngram",
+    "num_speculative_tokens": 6,
+    "prompt_lookup_min": 2,
+    "prompt_lookup_max": 8,
+}
 DRAFT_TOKENS = 4
 CODE = """def parse_line(line):
     fields = line.strip().split(",")

@@ -30,6 +30,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from scheduler.request import Request
 from scheduler.spec_costs import SpecCosts
 from scheduler.spec_length import DEFAULT_COST, planned_guesses
@@ -120,18 +122,39 @@ class SpeculativeConfig:
 
 
 def propose_ngram(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
-    """The k tokens that followed the latest earlier occurrence of the sequence's last n
-    tokens, for the longest n in [min_n, max_n] that occurred before; [] if none did."""
+    """Up to k tokens that followed the latest earlier occurrence of the sequence's last n
+    tokens, for the longest n in [min_n, max_n] that occurred before; [] if none did.
+
+    The guess stops where another earlier occurrence of those n tokens went on otherwise
+    (its first token is guessed anyway): the text has gone both ways there,
+    and a coin flip costs a verified row. Replaying scenario s's code edits on the 1.5B
+    at its measured step costs, the cut raised the speed-up by 2-3%
+    (docs/speculative-decoding.md). In numpy: a long context scanned in Python for every
+    step and length cost milliseconds."""
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = list(tokens[length - n :])
-        # Latest first: recent text predicts the next tokens best.
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start] == suffix[0] and list(tokens[start : start + n]) == suffix:
-                follow = list(tokens[start + n : start + n + k])
-                if follow:
-                    return follow
-    return []
+    if k < 1 or length <= min_n:
+        return []
+    seq = np.asarray(tokens, dtype=np.int64)
+    # ends[i]: one past an earlier occurrence of the last min_n tokens.
+    ends = np.arange(min_n, length)
+    for back in range(1, min_n + 1):
+        ends = ends[seq[ends - back] == seq[length - back]]
+    if ends.size == 0:
+        return []
+    matched = np.full(ends.size, min_n)
+    for back in range(min_n + 1, min(max_n, length - 1) + 1):
+        longer = (matched == back - 1) & (ends >= back)
+        longer[longer] = seq[ends[longer] - back] == seq[length - back]
+        matched[longer] = back
+    ends = ends[matched == matched.max()]
+    latest, others = int(ends[-1]), ends[:-1]
+    follow, keep = seq[latest : latest + k], None
+    for j in range(follow.size):
+        others = others[others + j < length]  # those that run into the end say nothing
+        if np.any(seq[others + j] != follow[j]):
+            keep = max(j, 1)
+            break
+    return follow[:keep].tolist()
 
 
 @dataclass

@@ -361,6 +361,13 @@ def test_proposals() -> None:
     # Among equal lengths, the latest occurrence.
     assert propose_ngram([4, 1, 4, 2, 4], 1, 1, 1) == [2]
     assert propose_ngram([1, 2, 3], 2, 3, 2) == []
+    # Cut where an earlier occurrence of the same tokens went on otherwise...
+    assert propose_ngram([1, 2, 5, 6, 1, 2, 5, 7, 3, 1, 2], 2, 2, 4) == [5]
+    assert propose_ngram([1, 2, 5, 6, 1, 2, 5, 6, 3, 1, 2], 2, 2, 4) == [5, 6]
+    # ...the first token guessed whatever the others say...
+    assert propose_ngram([1, 2, 8, 1, 2, 9, 3, 1, 2], 2, 2, 4) == [9]
+    # ...and only by occurrences of the longest length found.
+    assert propose_ngram([4, 1, 2, 8, 0, 1, 2, 9, 3, 4, 1, 2], 2, 3, 4) == [8, 0, 1, 2]
     assert propose_ngram([7], 1, 4, 3) == []
 
 
