@@ -40,6 +40,8 @@ PROMPTS = [
 ]
 
 
+CONTINUATION = 32  # tokens each prompt continues by
+
 # Past Gemma's window of 512 positions.
 LONG = " ".join(f"Item {i} of the list is the word number {i * 7 % 13}." for i in range(60))
 
@@ -92,13 +94,13 @@ def test_chat_template_matches_transformers(real) -> None:
 
 def test_greedy_continuations_match_transformers(real) -> None:
     """transformers, teacher-forced on our continuation, predicts each of its tokens: its
-    own greedy generation would be the same 24 tokens (one forward per prompt rather than
-    24 steps). Ours come from the engine, all prompts in one batch; past Gemma's 512-token
+    own greedy generation would be the same 32 tokens (one forward per prompt rather than
+    32 steps). Ours come from the engine, all prompts in one batch; past Gemma's 512-token
     window on one prompt."""
     path, ours = real
     # A fixed step budget: no start-up timing of a prefill chunk.
     engine = create_engine(ours.model, ours.tokenizer, EngineConfig(max_num_batched_tokens=1024))
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(max_tokens=CONTINUATION, temperature=0.0, ignore_eos=True)
     prompts = [ours.tokenizer.encode(text, allow_special=True) for text in PROMPTS]
     if ours.config.sliding_window:
         prompts[-1] = prompts[-1] + ours.tokenizer.encode(LONG)
@@ -106,7 +108,7 @@ def test_greedy_continuations_match_transformers(real) -> None:
     hf = hf_model_of(path)
     for i, ids in enumerate(prompts):
         got = results[(str(i), 0)].token_ids
-        assert len(got) == 24
+        assert len(got) == CONTINUATION
         with torch.no_grad():
             logits = hf(torch.tensor([ids + got[:-1]]), logits_to_keep=len(got)).logits[0]
         assert logits.argmax(-1).tolist() == got, PROMPTS[i]
