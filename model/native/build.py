@@ -169,7 +169,7 @@ def _build(compiler: str, compile_flags: tuple[str, ...], target: Path) -> None:
         for name, obj in zip(SOURCES, objects, strict=True)
     ]
     try:
-        _run_all(compiles, os.cpu_count() or 1)
+        _run_all(compiles, len(os.sched_getaffinity(0)))  # the cores this process may use
         _run_all([[compiler, *LINK_FLAGS, "-o", partial, *objects, "-lm"]], 1)
         os.replace(partial, target)
     except OSError as exc:
