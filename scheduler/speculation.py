@@ -193,7 +193,7 @@ class Speculator:
         if num_running > self.config.disable_by_batch_size or self.costs.lacks_plain(num_running):
             return False
         cost = self.costs.guess_cost(num_running)
-        self._cost = DEFAULT_COST if cost is None else cost
+        self._cost = DEFAULT_COST * num_running if cost is None else cost
         return True
 
     def drafts(self, req: Request, room: int) -> list[int]:

@@ -470,6 +470,18 @@ def test_a_guess_costs_its_verified_row_and_a_draft_step() -> None:
     assert costs.guess_cost(2) is None  # costs are per batch size
 
 
+def test_in_a_batch_a_guess_weighs_against_its_sequences_part_of_the_step() -> None:
+    """Steps of two sequences: plain 50 ms, which gives each a token for 25 ms of it; four
+    guesses in all 90 ms, 10 ms a verified row: a guess costs 0.4 of a sequence's part.
+    With a draft, its one-token step (15 ms) serves both sequences' guesses at once."""
+    costs = SpecCosts()
+    costs.observe(2, guesses=4, forward_s=0.090)
+    costs.observe(2, guesses=0, forward_s=0.050)
+    assert costs.guess_cost(2) == pytest.approx(0.4)
+    costs.observe(2, guesses=4, forward_s=0.090, draft_s=0.0, draft_step_s=0.015)
+    assert costs.guess_cost(2) == pytest.approx((2 * 0.010 + 0.015) / 0.050)
+
+
 @pytest.mark.parametrize("rate", [0.0, 0.1, 0.3, 0.5, 0.7, 0.9, 0.99, 1.0])
 @pytest.mark.parametrize("cost", [0.05, 0.25, 0.75, 1.5])
 def test_the_guess_length_maximises_expected_tokens_per_cost(rate, cost) -> None:
