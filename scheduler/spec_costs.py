@@ -12,11 +12,11 @@ than that. n-gram guesses cost only their rows.
 Costs are the runner's seconds for steps of decodes only (one new token a sequence, plus
 guesses), smoothed, per number of sequences in the step: a step's cost grows with its
 batch. A guess's cost is the verification's time beyond a plain step's, per guessed row,
-plus one of the draft's one-token steps (a step's sequences guess side by side), against
-the plain step's time per sequence for the row; unknown until both kinds of step have
-been seen. The draft's first forward of a step is not
-counted: it also computes the tokens the draft missed while nobody guessed, a cost of
-pausing, not of a guess.
+plus one of the draft's one-token steps (a step's sequences guess side by side), both
+against the plain step's time per sequence (`guess_cost`); unknown until both kinds of
+step have been seen. The draft's first forward of a step is not counted: it also
+computes the tokens the draft missed while nobody guessed, a cost of pausing, not of a
+guess.
 """
 
 from __future__ import annotations
