@@ -98,3 +98,53 @@ def test_kv_budget_is_measured_from_a_profiling_step() -> None:
 
 def test_auto_backend_on_cuda_is_triton() -> None:
     assert attention_backend("auto", "cuda").name == "triton_paged"
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_speculation_keeps_greedy_output(method: str) -> None:
+    """Verifying steps (several rows of one sequence) run eagerly beside the decode graphs,
+    the draft model runs on the GPU too: the greedy tokens are the plain run's, the logprobs
+    within fp32's shape-dependent rounding, prompts in chunks and every request at once."""
+    from model.config import ModelConfig
+    from model.random_model import random_llama
+    from scheduler.speculation import SpeculativeConfig
+
+    loaded = load_model(device="cuda", progress=False)
+    tok = loaded.tokenizer
+    texts = TEXTS + ["Count from one: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)
+    requests = {f"r{i}": (tok.encode(t), params) for i, t in enumerate(texts)}
+    budget = dict(max_num_seqs=16, kv_cache_memory=2**28, max_num_batched_tokens=12)
+    plain, _ = run_engine(create_engine(loaded.model, tok, EngineConfig(**budget)), requests)
+    draft = None
+    if method == "draft_model":
+        c = loaded.config
+        small = ModelConfig(
+            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
+            vocab_size=c.vocab_size, max_position=c.max_position, tie_embeddings=True,
+        )  # fmt: skip
+        draft = random_llama(small, device="cuda", std=0.5)
+        spec = SpeculativeConfig(
+            num_speculative_tokens=3, method="draft_model", model="draft", draft_p_min=0.0,
+            disable_by_batch_size=64,
+        )  # fmt: skip
+    else:
+        spec = SpeculativeConfig(num_speculative_tokens=4, disable_by_batch_size=64)
+    engine = create_engine(loaded.model, tok, EngineConfig(speculative=spec, **budget), draft)
+    assert engine.runner.decode_graphs is not None
+    for rid, (ids, p) in requests.items():
+        engine.add_request(rid, ids, p)
+    got: dict = {}
+    drafted = 0
+    while engine.has_work():
+        outputs, stats = engine.step()
+        drafted += stats.spec.num_draft_tokens if stats.spec is not None else 0
+        for out in outputs:
+            got.setdefault((out.request_id, out.index), []).append(out)
+    assert drafted > 0
+    for key, ref in plain.items():
+        assert [t for o in got[key] for t in o.new_token_ids] == ref.token_ids, key
+        lp = [[x.logprob for o in r for x in o.logprobs or []] for r in (ref.outputs, got[key])]
+        torch.testing.assert_close(torch.tensor(lp[1]), torch.tensor(lp[0]), rtol=0, atol=1e-3)
+    engine.scheduler.kv.check_invariants()
+    assert engine.scheduler.kv.num_used_blocks == 0
