@@ -1,16 +1,20 @@
 """The CUDA path on a real GPU (marker `cuda`; skipped where none is visible; `make
 test-gpu` runs these and the rest of the suite with --device cuda): the Triton backend in
 fp32 against the CPU reference, bf16 against fp32, CUDA-graph replay against eager steps,
-and the KV budget measured from a profiling step."""
+the KV budget measured from a profiling step, and speculative decoding (n-gram and a draft
+model) against plain greedy output."""
 
 import pytest
 import torch
 
 from model.attention import attention_backend
+from model.config import ModelConfig
 from model.loader import load_model
+from model.random_model import random_llama
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
+from scheduler.speculation import SpeculativeConfig
 from tests.engine_driver import run_engine
 
 pytestmark = [
@@ -105,10 +109,6 @@ def test_speculation_keeps_greedy_output(method: str) -> None:
     """Verifying steps (several rows of one sequence) run eagerly beside the decode graphs,
     the draft model runs on the GPU too: the greedy tokens are the plain run's, the logprobs
     within fp32's shape-dependent rounding, prompts in chunks and every request at once."""
-    from model.config import ModelConfig
-    from model.random_model import random_llama
-    from scheduler.speculation import SpeculativeConfig
-
     loaded = load_model(device="cuda", progress=False)
     tok = loaded.tokenizer
     texts = TEXTS + ["Count from one: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,"]
