@@ -8,14 +8,13 @@ import pytest
 import torch
 
 from model.attention import attention_backend
-from model.config import ModelConfig
 from model.loader import load_model
-from model.random_model import random_llama
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
 from scheduler.speculation import SpeculativeConfig
 from tests.engine_driver import run_engine
+from tests.tiny_models import random_draft
 
 pytestmark = [
     pytest.mark.cuda,
@@ -118,12 +117,7 @@ def test_speculation_keeps_greedy_output(method: str) -> None:
     plain, _ = run_engine(create_engine(loaded.model, tok, EngineConfig(**budget)), requests)
     draft = None
     if method == "draft_model":
-        c = loaded.config
-        small = ModelConfig(
-            dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
-            vocab_size=c.vocab_size, max_position=c.max_position, tie_embeddings=True,
-        )  # fmt: skip
-        draft = random_llama(small, device="cuda", std=0.5)
+        draft = random_draft(loaded.config, "cuda")
         spec = SpeculativeConfig(
             num_speculative_tokens=3, method="draft_model", model="draft", draft_p_min=0.0,
             disable_by_batch_size=64,

@@ -11,9 +11,7 @@ import httpx
 import pytest
 import torch
 
-from model.config import ModelConfig
 from model.int8_group_linear import Int8GroupLinear
-from model.random_model import random_llama
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.kv_cache import KVCacheManager
@@ -31,7 +29,7 @@ from server.structured.grammar import GrammarCompiler
 from tests.engine_driver import run_engine
 from tests.live_server import engine_config, running_server
 from tests.test_engine import engine_for
-from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
+from tests.tiny_models import make_tiny_llama, random_draft, write_tiny_tokenizer
 
 # Text that repeats itself, where lookup guesses well, and text that does not.
 TEXTS = [
@@ -196,21 +194,9 @@ def test_the_default_format_keeps_the_plain_logprobs(requests) -> None:
 
 @pytest.fixture(scope="module")
 def small_draft(target):
-    """A random two-layer model with the default model's vocabulary: its guesses are
-    mostly wrong, and stale draft context would cost nothing the output shows."""
-    c = target.config
-    config = ModelConfig(
-        dim=64,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        ffn_dim=128,
-        vocab_size=c.vocab_size,
-        max_position=c.max_position,
-        tie_embeddings=True,
-    )
-    return random_llama(config, std=0.5)
+    """Its guesses are mostly wrong, and stale draft context would cost nothing the
+    output shows."""
+    return random_draft(target.config)
 
 
 @pytest.mark.parametrize("draft", ["itself", "small"])

@@ -6,6 +6,10 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from model.config import ModelConfig
+from model.llama import Llama
+from model.random_model import random_llama
+
 TINY_SHAPES = {
     "mha": dict(num_attention_heads=4, num_key_value_heads=4),
     "gqa": dict(num_attention_heads=8, num_key_value_heads=2),
@@ -78,3 +82,13 @@ def write_tiny_tokenizer(directory: Path, vocab_size: int = 512, fill: bool = Tr
     backend.save(str(directory / "tokenizer.json"))
     config = {"eos_token": "<|endoftext|>", "model_max_length": 256}
     (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+def random_draft(target: ModelConfig, device: str = "cpu") -> Llama:
+    """A random two-layer model with `target`'s vocabulary: a draft whose guesses are
+    mostly wrong, for tests of what speculation does with wrong guesses."""
+    config = ModelConfig(
+        dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128,
+        vocab_size=target.vocab_size, max_position=target.max_position, tie_embeddings=True,
+    )  # fmt: skip
+    return random_llama(config, device=device, std=0.5)
