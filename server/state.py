@@ -1,9 +1,12 @@
 """`ServerState`: what every route handler needs, built once at start-up and stored on
-the app. Handlers read it; only the engine thread changes engine state."""
+the app, where `served_state` finds it. Handlers read it; only the engine thread changes
+engine state."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from fastapi import Request
 
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
@@ -46,3 +49,8 @@ class ServerState:
 
     def serves(self, model: str | None) -> bool:
         return model is None or model == self.model_name or model in self.extra_model_names
+
+
+def served_state(request: Request) -> ServerState:
+    """The state `build_app` stored on the app that received `request`."""
+    return request.app.state.llamaserve

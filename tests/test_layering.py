@@ -77,3 +77,38 @@ def test_no_import_circle_in_server() -> None:
 
     for name in sorted(server):
         visit(name, [])
+
+
+MAX_FUNCTION_LINES = 80
+MAX_FILE_LINES = 300
+
+
+def long_functions(package: str) -> list[str]:
+    """Functions (methods and nested ones included) of `package` longer than the limit,
+    counted from `def` to their last line, docstring included and decorators not."""
+    found = []
+    for name, path in MODULES.items():
+        if layer(name) != package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{name}.{node.name}: {lines} lines")
+    return found
+
+
+def long_files(package: str) -> list[str]:
+    return [
+        f"{path.relative_to(ROOT)}: {lines} lines"
+        for name, path in MODULES.items()
+        if layer(name) == package and (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES
+    ]
+
+
+def test_no_long_function_in_server() -> None:
+    assert not long_functions("server")
+
+
+def test_no_long_file_in_server() -> None:
+    assert not long_files("server")

@@ -84,19 +84,38 @@ class ServerMetrics:
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
-        reg, label = self.registry, ["model_name"]
+        # Registered in this order, which is the order a scrape lists them in.
+        self._add_scheduler_gauges()
+        self._add_token_counters()
+        self._add_request_counters()
+        self._add_latency_histograms()
+        self._add_request_token_histograms(max_model_len)
+        self._add_spec_decode_counters()
+        self.iteration_tokens = self._histogram(
+            "iteration_tokens_total",
+            "Tokens fed to the model in one engine step (prefill chunks plus decodes).",
+            token_buckets(max_num_batched_tokens),
+        )
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, label, registry=reg).labels(model_name)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(
+            self.model_name
+        )
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, label, registry=reg).labels(model_name)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(PREFIX + name, doc, ["model_name"], registry=self.registry).labels(
+            self.model_name
+        )
 
-        def histogram(name: str, doc: str, buckets: list[float] | tuple[float, ...]) -> Histogram:
-            return Histogram(PREFIX + name, doc, label, buckets=buckets, registry=reg).labels(
-                model_name
-            )
+    def _histogram(
+        self, name: str, doc: str, buckets: list[float] | tuple[float, ...]
+    ) -> Histogram:
+        return Histogram(
+            PREFIX + name, doc, ["model_name"], buckets=buckets, registry=self.registry
+        ).labels(self.model_name)
 
+    def _add_scheduler_gauges(self) -> None:
+        gauge = self._gauge
         self.num_requests_running = gauge(
             "num_requests_running", "Sequences in the running batch (decoding or prefilling)."
         )
@@ -110,6 +129,9 @@ class ServerMetrics:
         self.kv_cache_blocks_total = gauge(
             "kv_cache_blocks_total", "KV-cache blocks the memory budget allows."
         )
+
+    def _add_token_counters(self) -> None:
+        counter = self._counter
         self.prompt_tokens = counter(
             "prompt_tokens", "Prompt tokens of requests that got their first token."
         )
@@ -123,6 +145,9 @@ class ServerMetrics:
         self.prefix_cache_hits = _RunningTotal(
             counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
         )
+
+    def _add_request_counters(self) -> None:
+        reg, model_name = self.registry, self.model_name
         self.request_success = Counter(
             PREFIX + "request_success",
             "Finished requests, by why they finished (stop, length, abort).",
@@ -142,6 +167,8 @@ class ServerMetrics:
         for status_class in STATUS_CLASSES:
             self.request_errors.labels(model_name, status_class)
 
+    def _add_latency_histograms(self) -> None:
+        histogram = self._histogram
         self.time_to_first_token = histogram(
             "time_to_first_token_seconds",
             "Seconds from arrival to the first generated token.",
@@ -162,6 +189,9 @@ class ServerMetrics:
             "Seconds from arrival to first being scheduled.",
             LATENCY_BUCKETS_S,
         )
+
+    def _add_request_token_histograms(self, max_model_len: int) -> None:
+        histogram = self._histogram
         request_tokens = token_buckets(max_model_len)
         self.request_prompt_tokens = histogram(
             "request_prompt_tokens", "Prompt tokens of each finished request.", request_tokens
@@ -171,6 +201,9 @@ class ServerMetrics:
             "Generated tokens of each finished request.",
             request_tokens,
         )
+
+    def _add_spec_decode_counters(self) -> None:
+        counter, reg = self._counter, self.registry
         # Speculative decoding, as vLLM's spec_decode counters (scheduler/speculation.py).
         self.spec_num_drafts = counter(
             "spec_decode_num_drafts", "Sequences that offered guessed tokens to a step."
@@ -186,11 +219,6 @@ class ServerMetrics:
             "Guessed tokens accepted, by their position in the guess (0: the first).",
             ["model_name", "position"],
             registry=reg,
-        )
-        self.iteration_tokens = histogram(
-            "iteration_tokens_total",
-            "Tokens fed to the model in one engine step (prefill chunks plus decodes).",
-            token_buckets(max_num_batched_tokens),
         )
 
     def observe_step(self, stats: StepStats) -> None:

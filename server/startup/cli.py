@@ -20,8 +20,9 @@ import torch
 
 from scheduler.config import EngineConfig
 from scheduler.speculation import SpeculativeConfig, SpeculativeConfigError
-from server.startup.flags import UsageError, add_model_flags, add_serve_flags, model_settings
+from server.startup.flags import UsageError, add_model_flags, model_settings
 from server.startup.parallel_flags import add_parallel_flags
+from server.startup.serve_flags import add_serve_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
