@@ -17,13 +17,13 @@ from functools import partial
 import torch
 from gguf import GGMLQuantizationType
 
+from model.checkpoint.dequant import q6_k_grid
+from model.checkpoint.file_blocks import FileBlocks
 from model.errors import UnsupportedFormatError
 from model.int8_group_linear import Int8GroupLinear
 from model.native.ops import NativeInt6Logits, NativeInt6Matmul, int6_grid
 from model.quantized_linear import QuantizedLinear
 from model.timing import best_ms
-from model.weights.dequant import q6_k_grid
-from model.weights.file_blocks import FileBlocks
 
 logger = logging.getLogger(__name__)
 

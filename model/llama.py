@@ -15,6 +15,7 @@ from torch import nn
 from model.attention.base import AttentionBackend
 from model.attention.torch_ref import TorchRefBackend
 from model.batch import Batch
+from model.checkpoint.file_blocks import FileBlocks
 from model.config import ModelConfig
 from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
 from model.int6_linear import Int6Linear
@@ -25,7 +26,6 @@ from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
 from model.quantized_linear import QuantizedLinear, quantized_linear
 from model.rope import rotary_embeddings
-from model.weights.file_blocks import FileBlocks
 
 # Linear layers ('layers.3.down_proj') in another quantization than the model's.
 LayerQuantizations = Mapping[str, str]

@@ -23,6 +23,9 @@ from tqdm import tqdm
 from model import cpu_kernels as kernel_plan
 from model.checkpoint import open_checkpoint
 from model.checkpoint.base import Weights
+from model.checkpoint.default_model import default_model_path
+from model.checkpoint.file_blocks import FileBlocks
+from model.checkpoint.pypi_models import resolve_model_path
 from model.config import ModelConfig
 from model.errors import (
     ModelFileError,
@@ -37,9 +40,6 @@ from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import llama3_chat_format
 from model.text.tokenizer import Tokenizer
 from model.weight_format import WeightFormat, resolve_weight_format
-from model.weights.default_model import default_model_path
-from model.weights.file_blocks import FileBlocks
-from model.weights.pypi_models import resolve_model_path
 
 logger = logging.getLogger(__name__)
 TRIM_BYTES = 16 << 20

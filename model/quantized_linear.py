@@ -10,7 +10,7 @@ they come, from the checkpoint's own values, so no full-precision copy of the mo
 ever held: a module keeps only its small integer staging buffer until its last rows are in,
 then packs. A GGUF Q4_0, Q4_1 or Q4_K group (w = step q + low, q in 0..15) is int4 as it
 is: the scale is the step and the zero low + 8 step, read from the file's blocks
-(model/weights/file_blocks.py) or found again in their values (model/file_grid.py).
+(model/checkpoint/file_blocks.py) or found again in their values (model/file_grid.py).
 Nothing here knows the network.
 """
 
@@ -23,12 +23,12 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from model import cpu_kernels
+from model.checkpoint.dequant import q4_grid
+from model.checkpoint.file_blocks import FileBlocks
 from model.errors import UnsupportedFormatError
 from model.file_grid import file_grid
 from model.int4_kernel import BF16_ACTIVATION_KERNELS, INT4_KERNELS, NATIVE_INT4_KERNELS
 from model.native.ops import NativeInt4Matmul, native_int4_matmul
-from model.weights.dequant import q4_grid
-from model.weights.file_blocks import FileBlocks
 
 INT4_GROUP = 32
 FP16_SMALLEST = 2.0**-24  # the smallest positive float16

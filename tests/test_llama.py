@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from model.batch import Batch
+from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
-from model.weights.safetensors import iter_safetensors, safetensors_files
 from tests.tiny_models import make_tiny_llama
 
 BLOCK = 4

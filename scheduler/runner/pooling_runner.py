@@ -14,9 +14,9 @@ import numpy as np
 
 from model.batch import Batch
 from model.encoder.bert import Bert
+from model.encoder.pooling import PoolingConfig, pool
 from model.llama import Llama
 from model.paged_cache import PagedKVCache
-from model.pooling import PoolingConfig, pool
 
 
 class EncoderRunner:

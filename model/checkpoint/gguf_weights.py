@@ -15,12 +15,12 @@ from math import prod
 import torch
 from gguf import GGMLQuantizationType
 
+from model.checkpoint.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
+from model.checkpoint.file_blocks import FileBlocks
+from model.checkpoint.gguf_file import GGUFFile, GGUFTensor
 from model.config import ModelConfig
 from model.errors import ModelFileError
 from model.families import FAMILIES
-from model.weights.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
-from model.weights.file_blocks import FileBlocks
-from model.weights.gguf_file import GGUFFile, GGUFTensor
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
