@@ -19,10 +19,6 @@ from torch import nn
 from model.attention.base import AttentionBackend
 from model.batch import Batch
 from model.config import ModelConfig
-from model.int4_kernel import NATIVE_INT4_KERNELS
-from model.int5_linear import Int5Linear
-from model.int6_linear import Int6Linear
-from model.int8_group_linear import Int8GroupLinear
 from model.native.layer import (
     INT4,
     INT4_A8,
@@ -33,7 +29,10 @@ from model.native.layer import (
     NativeDecoderLayer,
     NativeWeight,
 )
-from model.quantized_linear import Int4Linear
+from model.quant.int4 import NATIVE_INT4_KERNELS, Int4Linear
+from model.quant.int5 import Int5Linear
+from model.quant.int6 import Int6Linear
+from model.quant.int8_group import Int8GroupLinear
 from model.rope import apply_rope
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]

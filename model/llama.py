@@ -18,17 +18,21 @@ from model.batch import Batch
 from model.checkpoint.file_blocks import FileBlocks
 from model.config import ModelConfig
 from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
-from model.int6_linear import Int6Linear
-from model.int8_group_linear import Int8GroupLinear
 from model.meta_init import materialise, skeleton
 from model.paged_cache import PagedKVCache
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
-from model.quantized_linear import QuantizedLinear, quantized_linear
+from model.plan.kernel_plan import KernelPlan
+from model.quant.base import QuantizedLinear
+from model.quant.factory import quantized_linear
+from model.quant.int6 import Int6Linear
+from model.quant.int8_group import Int8GroupLinear
 from model.rope import rotary_embeddings
 
 # Linear layers ('layers.3.down_proj') in another quantization than the model's.
 LayerQuantizations = Mapping[str, str]
+# The kernel plan's int4 kernel per (int4 or w4a8, in, out) (model/plan/int4_kernel.py).
+Int4Kernels = Mapping[tuple[str, int, int], str]
 
 
 class Llama(nn.Module):
@@ -49,6 +53,8 @@ class Llama(nn.Module):
         self.vocab_rows = tp.vocab_rows(config.vocab_size) if tp else (0, config.vocab_size)
         vocab_rows = self.vocab_rows[1] - self.vocab_rows[0]
         self.attention = attention or TorchRefBackend()
+        # What the model runs on, set with its kernels (model/plan/kernel_plan.py).
+        self.kernel_plan: KernelPlan | None = None
         # Rank 0 of a tensor-parallel group broadcasts each step here (model/parallel/steps.py).
         self.before_forward: Callable[[Batch, PagedKVCache], None] | None = None
         self.embed_tokens = nn.Embedding(vocab_rows, config.dim)
@@ -96,21 +102,27 @@ class Llama(nn.Module):
         return sum(layer.use_native() for layer in self.layers)
 
     def quantize_linears(
-        self, quantization: str, layer_quantizations: LayerQuantizations | None = None
+        self,
+        quantization: str,
+        layer_quantizations: LayerQuantizations | None = None,
+        int4_kernels: Int4Kernels | None = None,
     ) -> None:
         """Swaps every decoder linear layer for an empty quantised one before loading, so
         weights stream straight into the quantised form (each layer named in
         `layer_quantizations` into its own). The output projection keeps the model dtype: 4
         bits cost the most there (GGUF files keep it at 8 bits or more), and a tied one
-        shares the embedding."""
+        shares the embedding. int4 layers run on `int4_kernels`' choice for their shape
+        (none: PyTorch's)."""
         layer_quantizations = layer_quantizations or {}
+        int4_kernels = int4_kernels or {}
         for index, owner in enumerate(self.layers):
             for name, child in list(owner.named_children()):
                 if isinstance(child, nn.Linear):
                     key = f"layers.{index}.{name}"
                     own = layer_quantizations.get(key, quantization)
                     shape = (child.in_features, child.out_features)
-                    setattr(owner, name, quantized_linear(own, *shape, "meta"))
+                    kernel = int4_kernels.get((own, *shape))
+                    setattr(owner, name, quantized_linear(own, *shape, "meta", kernel))
 
     def quantize_head(self, int6: bool = False) -> None:
         """Swaps the output projection for an empty grouped-int8 one (or an int6 one, for a
@@ -142,16 +154,17 @@ class Llama(nn.Module):
         head_int8: bool = False,
         head_int6: bool = False,
         layer_quantizations: LayerQuantizations | None = None,
+        int4_kernels: Int4Kernels | None = None,
     ) -> Llama:
         """A model with uninitialised weights: random init of a model about to be loaded
         costs seconds for nothing. With `quantization`, the linear layers are quantised
         ones, filled as the weights load (`layer_quantizations`' layers in their own); with
-        `head_int8`, the output projection too (grouped int8, model/quantized_linear.py, or
-        with `head_int6` int6, model/int6_linear.py)."""
+        `head_int8`, the output projection too (grouped int8, model/quant/, or
+        with `head_int6` int6, model/quant/int6.py)."""
         with skeleton():
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
-                model.quantize_linears(quantization, layer_quantizations)
+                model.quantize_linears(quantization, layer_quantizations, int4_kernels)
             if head_int8:
                 model.quantize_head(head_int6)
         # The dtype is set while the tensors are still shapes: materialising in fp32 and

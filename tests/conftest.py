@@ -84,13 +84,3 @@ def qwen_coder_small():
 
     path = pypi_model_path("qwen2.5-coder-0.5b-instruct")
     return load_model(path, dtype="auto", quantization="auto", progress=False)
-
-
-@pytest.fixture(autouse=True)
-def _cpu_kernels_auto():
-    """The CPU kernel plan's mode is the process's (model/cpu_kernels.py): each test starts
-    from the default, whatever the one before it loaded."""
-    from model import cpu_kernels
-
-    cpu_kernels.set_mode("auto")
-    yield

@@ -20,7 +20,7 @@ from model.checkpoint.file_blocks import LAYER_BLOCK_TYPES, FileBlocks
 from model.checkpoint.gguf_weights import count_gguf_tensors, iter_gguf_weights
 from model.llama import Llama
 from model.loader import load_model
-from model.quantized_linear import quantized_linear
+from model.quant.factory import quantized_linear
 from tests.test_dequant import F16_FIELDS, random_blocks
 
 # The layer format that holds each block type as it is.

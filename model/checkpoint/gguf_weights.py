@@ -199,7 +199,7 @@ def wide_linears(gguf: GGUFFile, bits: int = 4) -> frozenset[str]:
 
 def linears_all_in(gguf: GGUFFile, block_type: str) -> frozenset[str]:
     """Our linear layers whose every matrix is stored in `block_type`: Q5_0, which int5
-    holds exactly (model/int5_linear.py), or Q6_K, which int6 does (model/int6_linear.py)."""
+    holds exactly (model/quant/int5.py), or Q6_K, which int6 does (model/quant/int6.py)."""
     return frozenset(key for key, types in _linear_types(gguf).items() if types == {block_type})
 
 

@@ -23,8 +23,8 @@ from model.encoder.bert import Bert, BertConfig
 from model.encoder.pooling import PoolingConfig
 from model.encoder.precision import fastest_dtype
 from model.errors import ModelFileError, UnsupportedModelError
+from model.plan.weight_format import DTYPES
 from model.text.wordpiece import WordPieceTokenizer
-from model.weight_format import DTYPES
 
 logger = logging.getLogger(__name__)
 

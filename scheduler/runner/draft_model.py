@@ -40,6 +40,7 @@ class DraftModel:
     def __init__(self, model: Llama, num_blocks: int, config: EngineConfig) -> None:
         self.model = model
         self.device = model.device
+        self.argmax = model.kernel_plan.argmax_kernel() if model.kernel_plan else None
         self.block_size = block_size = config.block_size
         # Its guesses among the first ids only: model/llama.py computes just those logits.
         spec = config.speculative
@@ -195,7 +196,7 @@ class DraftModel:
                 at = torch.tensor([j for j, _ in masks], device=picked.device)
                 bitmask = torch.from_numpy(np.concatenate([m for _, m in masks])).to(picked.device)
                 apply_token_bitmask(picked, at, bitmask)
-        ids = greedy_ids(picked)
+        ids = greedy_ids(picked, self.argmax)
         if self.p_min <= 0.0:
             return ids.tolist(), [1.0] * len(rows)
         best = picked.gather(1, ids[:, None])[:, 0].float()

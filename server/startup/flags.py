@@ -13,9 +13,9 @@ import os
 
 from model.attention import BACKENDS
 from model.checkpoint.pypi_models import PYPI_DIRECTORIES, PYPI_MODELS
-from model.cpu_kernels import CPU_KERNELS
-from model.quantized_linear import QUANTIZATIONS
-from model.weight_format import DTYPES
+from model.plan.mode import CPU_KERNELS
+from model.plan.weight_format import DTYPES
+from model.quant.base import QUANTIZATIONS
 from scheduler.config import EngineConfig
 from server.startup.memory_size import parse_memory_size
 
