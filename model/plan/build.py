@@ -12,14 +12,11 @@ import torch
 
 from model.config import ModelConfig
 from model.plan.head_format import head_int8
-from model.plan.int4_kernel import int4_kernel_for
+from model.plan.int4_kernel import int4_format_kernel
 from model.plan.kernel_plan import Int4Kernels, KernelPlan, attention_name, native_argmax_available
 from model.plan.layer_formats import LINEAR_NAMES, head_in_int6, layer_quantizations, layer_shape
 from model.plan.mode import check_mode, check_quantization
 from model.plan.weight_format import WeightFormat, resolve_weight_format
-from model.quant.int4 import BF16_ACTIVATION_KERNELS, W4A8_KERNELS
-
-INT4_ALLOWED = {"int4": BF16_ACTIVATION_KERNELS, "w4a8": W4A8_KERNELS}
 
 
 @dataclass(frozen=True)
@@ -96,13 +93,11 @@ def int4_kernels(
     for index in range(config.n_layers):
         for name in LINEAR_NAMES:
             quantization = own.get(f"layers.{index}.{name}", fmt.quantization)
-            if quantization not in INT4_ALLOWED:
-                continue
             shape = layer_shape(config, name)
             if (quantization, *shape) not in kernels:
-                kernels[(quantization, *shape)] = int4_kernel_for(
-                    mode, *shape, device, INT4_ALLOWED[quantization]
-                )
+                kernel = int4_format_kernel(mode, quantization, *shape, device)
+                if kernel is not None:
+                    kernels[(quantization, *shape)] = kernel
     return kernels
 
 

@@ -29,11 +29,28 @@ from model.native.ops import NativeInt4Matmul, native_int4_matmul
 from model.plan.mode import check_quantization
 from model.plan.timing import best_ms
 from model.plan.tuning import remembered
-from model.quant.int4 import INT4_KERNELS, NATIVE_INT4_KERNELS
+from model.quant.int4 import (
+    BF16_ACTIVATION_KERNELS,
+    INT4_KERNELS,
+    NATIVE_INT4_KERNELS,
+    W4A8_KERNELS,
+)
 
 logger = logging.getLogger(__name__)
 
 MEASURED_ROWS = (1, 8, 32)
+# The kernels each int4 format may run on: weight-only int4 keeps bf16 activations.
+FORMAT_KERNELS = {"int4": BF16_ACTIVATION_KERNELS, "w4a8": W4A8_KERNELS}
+
+
+def int4_format_kernel(
+    mode: str, quantization: str, in_features: int, out_features: int, device: torch.device
+) -> str | None:
+    """The kernel of an int4 or w4a8 layer of this shape, None for the other formats."""
+    allowed = FORMAT_KERNELS.get(quantization)
+    if allowed is None:
+        return None
+    return int4_kernel_for(mode, in_features, out_features, device, allowed)
 
 
 def int4_kernel_for(

@@ -27,13 +27,12 @@ from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
 from model.native.build import NativeUnavailable
 from model.native.ops import native_int4_matmul
-from model.plan.int4_kernel import int4_kernel_for
+from model.plan.int4_kernel import int4_format_kernel
 from model.plan.mode import NATIVE_ONLY_QUANTIZATIONS, allows_native, check_quantization
 from model.plan.timing import best_ms
 from model.plan.tuning import config_key, remembered
 from model.quant.base import INT4_GROUP, QUANTIZATIONS
 from model.quant.factory import quantized_linear
-from model.quant.int4 import BF16_ACTIVATION_KERNELS, W4A8_KERNELS
 
 logger = logging.getLogger(__name__)
 
@@ -198,7 +197,7 @@ def layer_step_ms(
                 in_features,
                 out_features,
                 device,
-                _int4_kernel(mode, fmt.quantization, in_features, out_features, device),
+                int4_format_kernel(mode, fmt.quantization, in_features, out_features, device),
             )
             module.load_rows(0, weight)
             layers.append(module)
@@ -218,16 +217,6 @@ def layer_step_ms(
     # is a tie, whatever the absolute times (larger batches' longer steps would otherwise
     # decide alone, and single-stream latency is what users feel first).
     return math.exp(log_total / len(MEASURED_BATCH_SIZES))
-
-
-def _int4_kernel(
-    mode: str, quantization: str, in_features: int, out_features: int, device: torch.device
-) -> str | None:
-    """The kernel of an int4 or w4a8 layer of this shape, None for the other formats."""
-    allowed = {"int4": BF16_ACTIVATION_KERNELS, "w4a8": W4A8_KERNELS}.get(quantization)
-    if allowed is None:
-        return None
-    return int4_kernel_for(mode, in_features, out_features, device, allowed)
 
 
 def _run_layers(layers: list[Callable[[torch.Tensor], torch.Tensor]], inputs: list) -> None:
