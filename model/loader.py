@@ -31,7 +31,7 @@ from model.errors import (
     UnsupportedModelError,
 )
 from model.heap import return_free_heap
-from model.llama import Llama
+from model.network.llama import Llama
 from model.parallel.plan import TensorParallel
 from model.plan.build import CheckpointFacts, PlanFlags, build_kernel_plan
 from model.plan.kernel_plan import KernelPlan, use_kernels

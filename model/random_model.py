@@ -12,8 +12,8 @@ import torch
 from model.checkpoint.meta import read_llama3_tokenizer
 from model.config import ModelConfig
 from model.errors import ModelFileError
-from model.llama import Int4Kernels, Llama
 from model.loader import LoadedModel
+from model.network.llama import Int4Kernels, Llama
 from model.parallel.plan import TensorParallel
 from model.plan.build import PlanFlags, build_kernel_plan
 from model.plan.kernel_plan import use_kernels

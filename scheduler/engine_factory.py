@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from model.llama import Llama
+from model.network.llama import Llama
 from model.text.tokenizer import Tokenizer
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig, EngineConfigError
 from scheduler.engine import Engine

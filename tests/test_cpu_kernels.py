@@ -12,10 +12,10 @@ import torch
 import model.plan.head_format as head_format
 import model.plan.int4_kernel as int4_kernel
 import model.plan.weight_format as weight_format
-from model.decoder_layer import RMSNorm
 from model.errors import UnsupportedFormatError
 from model.greedy import greedy_tokens
 from model.loader import checkpoint_config, load_model
+from model.network.decoder_layer import RMSNorm
 from model.plan.mode import check_mode
 from model.quant.int4 import Int4Linear
 from model.quant.int8_group import Int8GroupLinear

@@ -11,9 +11,9 @@ import shutil
 import pytest
 import torch
 
-from model.batch import Batch
 from model.config import ModelConfig
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
 from model.random_model import random_llama

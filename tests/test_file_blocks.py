@@ -18,8 +18,8 @@ from model.checkpoint.default_model import default_model_path
 from model.checkpoint.dequant import q4_grid, q5_0_grid, q6_k_grid, q8_0_grid
 from model.checkpoint.file_blocks import LAYER_BLOCK_TYPES, FileBlocks
 from model.checkpoint.gguf_weights import count_gguf_tensors, iter_gguf_weights
-from model.llama import Llama
 from model.loader import load_model
+from model.network.llama import Llama
 from model.quant.factory import quantized_linear
 from tests.test_dequant import F16_FIELDS, random_blocks
 

@@ -10,10 +10,10 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model.batch import Batch
-from model.llama import Llama
 from model.loader import load_model
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from model.plan import build, layer_formats, weight_format
 from model.quant.int4 import Int4Linear
 from model.quant.int6 import Int6Linear

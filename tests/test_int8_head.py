@@ -12,16 +12,16 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 import model.plan.head_format as head_format
-from model.batch import Batch
 from model.checkpoint.default_model import default_model_path
 from model.checkpoint.gguf_file import open_gguf
 from model.checkpoint.gguf_weights import output_quantized
 from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
-from model.llama import Llama
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt8Matmul
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from model.plan.head_format import choose_head_int8
 from model.plan.weight_format import WeightFormat
 from model.quant.base import fp16_scales

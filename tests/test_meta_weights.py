@@ -9,13 +9,13 @@ import json
 import pytest
 import torch
 
-from model.batch import Batch
 from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
 from model.errors import ModelFileError, UnsupportedModelError
-from model.llama import Llama
 from model.loader import load_model
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from model.text.llama3_chat import Llama3ChatFormat
 from tests.meta_reference import (
     LLAMA3_VOCAB,

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 import model.plan.int4_kernel as int4_kernel
-from model.batch import Batch
 from model.loader import load_model
 from model.native.build import ISA_ENV
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 from tests.native_builds import ISAS, library_at
 from tests.tiny_families import make_tiny
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer

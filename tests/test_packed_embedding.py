@@ -8,11 +8,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from model.batch import Batch
 from model.checkpoint.gguf import GGUFCheckpoint
 from model.checkpoint.packed_embedding import PackedEmbedding
 from model.loader import load_model
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 from tests.tiny_families import make_tiny, write_gguf
 
 

@@ -8,17 +8,17 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from model.batch import Batch
 from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
-from model.decoder_layer import _native_weight
 from model.errors import UnsupportedFormatError
-from model.llama import Llama
 from model.loader import load_model
 from model.native.build import cpu_flags
 from model.native.layer import INT5_A8
 from model.native.ops import NativeInt4Matmul
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.decoder_layer import _native_weight
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from model.plan import weight_format
 from model.plan.weight_format import (
     WeightFormat,

@@ -167,7 +167,7 @@ def linear_weight_bits(gguf: GGUFFile) -> int | None:
     return max(bits)
 
 
-# The fused linear layer each GGUF matrix loads into (model/llama.py).
+# The fused linear layer each GGUF matrix loads into (model/network/llama.py).
 _FUSED_INTO = {
     "attn_q": "qkv_proj", "attn_k": "qkv_proj", "attn_v": "qkv_proj",
     "attn_output": "o_proj", "ffn_gate": "gate_up_proj", "ffn_up": "gate_up_proj",

@@ -37,7 +37,7 @@ def head_int8(
 def choose_head_int8(
     config: ModelConfig, fmt: WeightFormat, quantized: bool, device: torch.device
 ) -> bool:
-    """Whether the output projection runs in grouped int8 (model/quant/): only
+    """Whether the output projection runs in grouped int8 (model/quant/int8_group.py): only
     where the checkpoint stores it quantised in 8 bits or fewer (`quantized`: GGUF Q8_0,
     exact in int8, or Q6_K and narrower, within a sixteenth of their step; a float head is
     never quantised), beside quantised bf16 layers on the CPU, and where it times faster

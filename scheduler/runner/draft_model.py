@@ -26,9 +26,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from model.batch import Batch
-from model.llama import Llama
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from model.sampler import greedy_ids
 from model.token_bitmask import apply_token_bitmask
 from scheduler.config import EngineConfig
@@ -42,7 +42,7 @@ class DraftModel:
         self.device = model.device
         self.argmax = model.kernel_plan.argmax_kernel() if model.kernel_plan else None
         self.block_size = block_size = config.block_size
-        # Its guesses among the first ids only: model/llama.py computes just those logits.
+        # Its guesses among the first ids only: model/network/llama.py computes just those logits.
         spec = config.speculative
         self.logit_rows = spec.draft_vocab_size if spec else None
         # A guess the draft itself gives less than this probability ends the sequence's

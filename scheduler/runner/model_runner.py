@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from model.batch import Batch
-from model.llama import Llama
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from model.plan.tuning import config_key, remembered_for
 from model.sampler import Sampler, position_seed
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig

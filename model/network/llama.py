@@ -1,5 +1,5 @@
 """The network every supported family shares: embeddings, decoder layers
-(model/decoder_layer.py), final norm and output projection (or, for an embedder, the final
+(model/network/decoder_layer.py), final norm and output projection (or, for an embedder, the final
 hidden states), over one flat `Batch` and a paged cache. A pure function of tensors: it
 knows nothing of requests, sampling or block allocation. `load_weights` takes HF-named
 tensors in the HF (rotate-halves) RoPE layout and fills the fused ones.
@@ -14,12 +14,14 @@ from torch import nn
 
 from model.attention.base import AttentionBackend
 from model.attention.torch_ref import TorchRefBackend
-from model.batch import Batch
 from model.checkpoint.file_blocks import FileBlocks
 from model.config import ModelConfig
-from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
-from model.meta_init import materialise, skeleton
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
+from model.network.meta_init import materialise, skeleton
+from model.network.paged_cache import PagedKVCache
+from model.network.rope import rotary_embeddings
+from model.network.weight_names import load_named_weights
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
 from model.plan.kernel_plan import KernelPlan
@@ -27,8 +29,6 @@ from model.quant.base import QuantizedLinear
 from model.quant.factory import quantized_linear
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
-from model.rope import rotary_embeddings
-from model.weight_names import load_named_weights
 
 # Linear layers ('layers.3.down_proj') in another quantization than the model's.
 LayerQuantizations = Mapping[str, str]
@@ -245,5 +245,5 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | FileBlocks]]) -> None:
-        """Copies HF-named tensors into the (fused) parameters (model/weight_names.py)."""
+        """Copies HF-named tensors into the (fused) parameters (model/network/weight_names.py)."""
         load_named_weights(self, weights)
