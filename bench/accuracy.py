@@ -20,11 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
-from model.batch import Batch
 from model.greedy import greedy_tokens
-from model.llama import Llama
 from model.loader import LoadedModel, load_model
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 
 QUESTIONS = [
     "What is the capital of France?",

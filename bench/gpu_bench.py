@@ -30,10 +30,10 @@ import torch
 
 from bench.loadgen import make_prompt, run_closed_loop
 from bench.servers import free_port, llamaserve_command, running
-from model.batch import Batch
+from model.checkpoint.default_model import default_model_path_or_none
 from model.loader import LoadedModel, load_model
+from model.network.batch import Batch
 from model.random_model import load_random_model
-from model.weights.default_model import default_model_path_or_none
 from scheduler.config import EngineConfig
 from scheduler.runner.model_runner import ModelRunner
 
@@ -113,7 +113,7 @@ def decode_rows(loaded: LoadedModel, batch_sizes: list[int], bandwidth: float, d
 
 
 def prefill_row(loaded: LoadedModel, peak: float, device: str, num_tokens: int = 2048) -> None:
-    from model.paged_cache import PagedKVCache
+    from model.network.paged_cache import PagedKVCache
 
     config = loaded.config
     blocks = -(-num_tokens // 16)
@@ -132,8 +132,8 @@ def prefill_row(loaded: LoadedModel, peak: float, device: str, num_tokens: int =
 
 
 def serving(clients: int, num_prompts: int, prompt_len: int, max_tokens: int) -> None:
+    from model.checkpoint.gguf_file import open_gguf
     from model.text.tokenizer_files import tokenizer_from_gguf
-    from model.weights.gguf_file import open_gguf
 
     model = default_model_path_or_none()
     tokenizer = tokenizer_from_gguf(open_gguf(model).metadata)

@@ -59,9 +59,9 @@ def run(scenario: Scenario, prompts: list[list[int]], model: Path, extra: list[s
 
 
 def main(argv: list[str] | None = None) -> None:
+    from model.checkpoint.default_model import default_model_path_or_none
+    from model.checkpoint.gguf_file import open_gguf
     from model.text.tokenizer_files import tokenizer_from_gguf
-    from model.weights.default_model import default_model_path_or_none
-    from model.weights.gguf_file import open_gguf
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=None)

@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.quants import quantize
 from tqdm import tqdm
 
-from model.weights.default_model import default_model_path
-from model.weights.pypi_models import model_cache
+from model.checkpoint.default_model import default_model_path
+from model.checkpoint.pypi_models import model_cache
 
 SHAPES = {"llama-1b": {"layers": 16, "dim": 2048, "heads": 32, "kv_heads": 8, "ffn": 8192}}
 STD = 0.02

@@ -30,7 +30,7 @@ from bench.servers import (
     llamaserve_command,
     running,
 )
-from model.weights.pypi_models import resolve_model_path
+from model.checkpoint.pypi_models import resolve_model_path
 
 SPEC = {
     "method": "ngram",

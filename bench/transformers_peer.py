@@ -20,7 +20,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from model.weights.default_model import default_model_path_or_none
+    from model.checkpoint.default_model import default_model_path_or_none
 
     job = json.loads(sys.stdin.read())
     path = Path(job.get("model") or default_model_path_or_none())

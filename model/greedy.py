@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import torch
 
-from model.batch import Batch
-from model.llama import Llama
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 
 
 def greedy_tokens(

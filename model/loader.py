@@ -20,26 +20,26 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from model import cpu_kernels as kernel_plan
 from model.checkpoint import open_checkpoint
-from model.checkpoint.base import Weights
+from model.checkpoint.base import Checkpoint, Weights
+from model.checkpoint.default_model import default_model_path
+from model.checkpoint.file_blocks import FileBlocks
+from model.checkpoint.pypi_models import resolve_model_path
 from model.config import ModelConfig
 from model.errors import (
     ModelFileError,
     UnsupportedModelError,
 )
 from model.heap import return_free_heap
-from model.layer_formats import describe, head_in_int6, layer_quantizations
-from model.llama import Llama
+from model.network.llama import Llama
 from model.parallel.plan import TensorParallel
+from model.plan.build import CheckpointFacts, PlanFlags, build_kernel_plan
+from model.plan.kernel_plan import KernelPlan, use_kernels
+from model.plan.mode import check_mode
 from model.row_invariant import make_rows_invariant
 from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import llama3_chat_format
 from model.text.tokenizer import Tokenizer
-from model.weight_format import WeightFormat, resolve_weight_format
-from model.weights.default_model import default_model_path
-from model.weights.file_blocks import FileBlocks
-from model.weights.pypi_models import resolve_model_path
 
 logger = logging.getLogger(__name__)
 TRIM_BYTES = 16 << 20
@@ -68,13 +68,14 @@ def load_model(
     cpu_kernels: str = "auto",
 ) -> LoadedModel:
     """quantization: None keeps every weight in `dtype`; "int8", "int4" or "w4a8" quantises the
-    decoder's linear layers as they load (model/quantized_linear.py). dtype "auto" or
-    quantization "auto" choose by timing this machine (model/weight_format.py), except
+    decoder's linear layers as they load (model/quant/). dtype "auto" or
+    quantization "auto" choose by timing this machine (model/plan/weight_format.py), except
     under tensor parallelism (`tp`: this rank's shard only), where every rank must pick
     the same format without talking: float32 on a CPU, bfloat16 on CUDA, unquantised.
-    cpu_kernels: the CPU kernel plan's mode (model/cpu_kernels.py)."""
+    cpu_kernels: the kernel plan's mode (model/plan/mode.py). The plan is built first,
+    from the checkpoint's description and the flags, then the model in its formats."""
     started = time.perf_counter()
-    kernel_plan.set_mode(cpu_kernels)
+    check_mode(cpu_kernels)
     path = resolve_model_path(path) if path is not None else default_model_path()
     checkpoint = open_checkpoint(path)
     config, name = checkpoint.config, checkpoint.name
@@ -87,20 +88,54 @@ def load_model(
     if tp is not None:
         tp.check(config)
         dtype, quantization = tp.same_format_on_every_rank(dtype, quantization, device)
-    wide = checkpoint.wide_linears
-    fmt = weight_format_for(
+    flags = PlanFlags(
         dtype,
         quantization,
-        config,
-        device,
-        checkpoint.checkpoint_bits,
         batch_invariant,
-        some_4_bit=len(wide) < 4 * config.n_layers,
+        attention_backend,
+        cpu_kernels,
+        quantized_head=tp is None,
+        facts=checkpoint_facts(checkpoint),
     )
-    head_int8 = tp is None and kernel_plan.head_int8(
-        config, fmt, checkpoint.head_quantized, torch.device(device)
+    plan = build_kernel_plan(config, device, flags)
+    model = _load_weights(checkpoint, plan, max_position, tp, progress)
+    use_kernels(model, plan)
+    if batch_invariant:
+        make_rows_invariant(model)
+    return_free_heap()
+    logger.info(
+        "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
+        name,
+        config.num_parameters() / 1e6,
+        plan.formats(),
+        device,
+        model.attention.name,
+        time.perf_counter() - started,
     )
-    head_int6 = head_int8 and head_in_int6(config, checkpoint.head_block_type)
+    return LoadedModel(name, path, config, model, tokenizer, template)
+
+
+def checkpoint_facts(checkpoint: Checkpoint) -> CheckpointFacts:
+    """What the kernel plan needs to know of the checkpoint's weights before reading them."""
+    return CheckpointFacts(
+        checkpoint.checkpoint_bits,
+        checkpoint.wide_linears,
+        checkpoint.q5_0_linears,
+        checkpoint.q6_k_linears,
+        checkpoint.head_quantized,
+        checkpoint.head_block_type,
+    )
+
+
+def _load_weights(
+    checkpoint: Checkpoint,
+    plan: KernelPlan,
+    max_position: int | None,
+    tp: TensorParallel | None,
+    progress: bool,
+) -> Llama:
+    """An empty model in the plan's formats, filled from the checkpoint's weights."""
+    config, fmt, device = checkpoint.config, plan.weight_format, plan.device
     # On the CPU a quantised embedding stays in the file's blocks, read as rows are looked up.
     cpu = torch.device(device).type == "cpu"
     embedding = checkpoint.packed_embedding(fmt.dtype) if cpu and tp is None else None
@@ -113,15 +148,6 @@ def load_model(
     )
     if tp is not None and not presharded:
         weights = tp.shard_weights(weights, config)
-    own_formats = layer_quantizations(
-        fmt,
-        config,
-        torch.device(device),
-        wide,
-        checkpoint.q5_0_linears,
-        quantization == "auto",
-        checkpoint.q6_k_linears,
-    )
     model = Llama.empty(
         config,
         max_position,
@@ -129,9 +155,10 @@ def load_model(
         fmt.dtype,
         fmt.quantization,
         tp=tp,
-        head_int8=head_int8,
-        head_int6=head_int6,
-        layer_quantizations=own_formats,
+        head_int8=plan.head is not None,
+        head_int6=plan.head == "int6",
+        layer_quantizations=plan.layer_quantizations,
+        int4_kernels=plan.int4_kernels,
     )
     if embedding is not None:
         model.embed_tokens = embedding
@@ -151,50 +178,10 @@ def load_model(
     except ValueError as exc:
         if isinstance(exc, ModelFileError | UnsupportedModelError):
             raise
-        raise ModelFileError(f"{path}: {exc}") from None
+        raise ModelFileError(f"{checkpoint.path}: {exc}") from None
     finally:
         torch.set_num_threads(threads)
-    model.eval()
-    kernel_plan.use_kernels(model, attention_backend, device)
-    if batch_invariant:
-        make_rows_invariant(model)
-    return_free_heap()
-    logger.info(
-        "loaded %s: %.1fM parameters, %s on %s, %s attention, in %.1f s",
-        name,
-        config.num_parameters() / 1e6,
-        describe(fmt, own_formats, config.n_layers)
-        + (f" (output projection {'int6' if head_int6 else 'int8'})" if head_int8 else ""),
-        device,
-        model.attention.name,
-        time.perf_counter() - started,
-    )
-    return LoadedModel(name, path, config, model, tokenizer, template)
-
-
-def weight_format_for(
-    dtype: torch.dtype | str,
-    quantization: str | None,
-    config: ModelConfig,
-    device: str,
-    checkpoint_bits: int | None,
-    batch_invariant: bool = False,
-    some_4_bit: bool = False,
-) -> WeightFormat:
-    if isinstance(dtype, torch.dtype) and quantization != "auto" and not batch_invariant:
-        if torch.device(device).type == "cpu":
-            kernel_plan.check_quantization(quantization)
-        return WeightFormat(dtype, quantization)
-    dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
-    return resolve_weight_format(
-        config,
-        torch.device(device),
-        dtype_name,
-        quantization or "none",
-        checkpoint_bits,
-        batch_invariant,
-        some_4_bit,
-    )
+    return model.eval()
 
 
 def resolve_device(name: str) -> str:

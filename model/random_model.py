@@ -9,13 +9,15 @@ from pathlib import Path
 
 import torch
 
-from model import cpu_kernels as kernel_plan
 from model.checkpoint.meta import read_llama3_tokenizer
 from model.config import ModelConfig
 from model.errors import ModelFileError
-from model.llama import Llama
-from model.loader import LoadedModel, weight_format_for
+from model.loader import LoadedModel
+from model.network.llama import Int4Kernels, Llama
 from model.parallel.plan import TensorParallel
+from model.plan.build import PlanFlags, build_kernel_plan
+from model.plan.kernel_plan import use_kernels
+from model.plan.mode import check_mode
 from model.presets import preset_config
 from model.row_invariant import make_rows_invariant
 from model.text.llama3_chat import llama3_chat_format
@@ -44,7 +46,7 @@ def load_random_model(
     inside the `llama-models` package when that is installed, else a byte-level stand-in with
     Llama 3's special tokens (`llama3_byte_tokenizer`). The chat format is Llama 3's."""
     started = time.perf_counter()
-    kernel_plan.set_mode(cpu_kernels)
+    check_mode(cpu_kernels)
     config = preset_config(preset)
     path = Path(tokenizer_path) if tokenizer_path is not None else bundled_tokenizer_path()
     tokenizer = read_llama3_tokenizer(path) if path is not None else llama3_byte_tokenizer()
@@ -57,11 +59,22 @@ def load_random_model(
         tp.check(config)
         dtype, quantization = tp.same_format_on_every_rank(dtype, quantization, device)
         seed += tp.rank
-    fmt = weight_format_for(dtype, quantization, config, device, None, batch_invariant)
-    model = random_llama(
-        config, max_position, device, fmt.dtype, seed, quantization=fmt.quantization, tp=tp
+    flags = PlanFlags(
+        dtype, quantization, batch_invariant, attention_backend, cpu_kernels, quantized_head=False
     )
-    kernel_plan.use_kernels(model, attention_backend, device)
+    plan = build_kernel_plan(config, device, flags)
+    fmt = plan.weight_format
+    model = random_llama(
+        config,
+        max_position,
+        device,
+        fmt.dtype,
+        seed,
+        quantization=fmt.quantization,
+        tp=tp,
+        int4_kernels=plan.int4_kernels,
+    )
+    use_kernels(model, plan)
     if batch_invariant:
         make_rows_invariant(model)
     logger.info(
@@ -89,10 +102,13 @@ def random_llama(
     std: float = 0.02,
     quantization: str | None = None,
     tp: TensorParallel | None = None,
+    int4_kernels: Int4Kernels | None = None,
 ) -> Llama:
     """A model with seeded random weights (matrices N(0, std), norm gains 1), drawn on
     `device` itself: PyTorch's default init on the CPU takes minutes at 8B parameters."""
-    model = Llama.empty(config, max_position, device, dtype, quantization, tp)
+    model = Llama.empty(
+        config, max_position, device, dtype, quantization, tp, int4_kernels=int4_kernels
+    )
     generator = torch.Generator(device=device).manual_seed(seed)
     for param in model.parameters():  # a tied weight is listed once
         if param.dim() == 1:

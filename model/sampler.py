@@ -11,18 +11,21 @@ plain lists, and nothing here mutates the caller's logits or reads state beyond 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
 import numpy as np
 import torch
 
-from model import cpu_kernels
 from model.token_bitmask import apply_token_bitmask, stack_bitmasks
 
 # A row whose temperature is exactly this is greedy: SamplingParams (scheduler/request.py)
 # maps every temperature too small to divide by to it.
 _GREEDY_TEMPERATURE = 0.0
+# A C argmax over float rows (model/native/ops.py's NativeArgmax): ids, or None where it
+# does not take these logits.
+Argmax = Callable[[torch.Tensor], torch.Tensor | None]
 
 
 _MASK64 = (1 << 64) - 1
@@ -160,14 +163,18 @@ class SamplerOutput:
 
 
 class Sampler:
-    """Stateless: everything a step needs arrives in `SamplingMetadata`."""
+    """Stateless: everything a step needs arrives in `SamplingMetadata`. `argmax`: the C
+    argmax the kernel plan gives CPU rows (model/plan/kernel_plan.py), None: PyTorch's."""
+
+    def __init__(self, argmax: Argmax | None = None) -> None:
+        self.argmax = argmax
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         processed = self.process_logits(logits, meta)
         if meta.all_greedy:
-            token_ids = greedy_ids(processed)
+            token_ids = greedy_ids(processed, self.argmax)
         else:
-            token_ids = _sample(processed, meta)
+            token_ids = _sample(processed, meta, self.argmax)
         if meta.num_logprobs < 0:
             return SamplerOutput(token_ids, None, None, None)
         # Logprobs report what the model believes, not what the request's sampling shaped,
@@ -221,15 +228,18 @@ def token_logprobs(
     return chosen, top_ids, top_values
 
 
-def greedy_ids(logits: torch.Tensor) -> torch.Tensor:
-    """torch.argmax over the vocabulary, in C for CPU rows (model/native/argmax.c, the same
-    answer), where PyTorch's is a scalar loop of 0.65 ms per step of 32 decodes."""
-    kernel = cpu_kernels.argmax_kernel() if logits.device.type == "cpu" else None
+def greedy_ids(logits: torch.Tensor, argmax: Argmax | None = None) -> torch.Tensor:
+    """torch.argmax over the vocabulary, in C for CPU rows where the kernel plan gives
+    `argmax` (model/native/argmax.c, the same answer), where PyTorch's is a scalar loop of
+    0.65 ms per step of 32 decodes."""
+    kernel = argmax if logits.device.type == "cpu" else None
     ids = kernel(logits) if kernel is not None else None
     return ids if ids is not None else logits.argmax(dim=-1)
 
 
-def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+def _sample(
+    logits: torch.Tensor, meta: SamplingMetadata, argmax: Argmax | None = None
+) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p and one exponential race per row; greedy rows ride
     along with temperature 1 and are replaced by their argmax at the end."""
     greedy = meta.temperature == _GREEDY_TEMPERATURE
@@ -257,7 +267,7 @@ def _sample(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     sampled = probs.div_(race).argmax(dim=-1)
     if meta.all_random:
         return sampled
-    return torch.where(greedy, greedy_ids(logits), sampled)
+    return torch.where(greedy, greedy_ids(logits, argmax), sampled)
 
 
 def _top_k_top_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

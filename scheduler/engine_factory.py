@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import logging
 
-from model import cpu_kernels
-from model.llama import Llama
+from model.network.llama import Llama
 from model.text.tokenizer import Tokenizer
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig, EngineConfigError
 from scheduler.engine import Engine
@@ -38,8 +37,8 @@ def create_engine(
     runner.measure_small_step_threads()
     kv = KVCacheManager(runner.num_blocks, config.block_size, config.enable_prefix_caching)
     budget = step_token_budget(config, runner)
-    if runner.device.type == "cpu":
-        plan = cpu_kernels.describe(model, runner.small_step_threads, budget)
+    if runner.device.type == "cpu" and model.kernel_plan is not None:
+        plan = model.kernel_plan.describe(model, runner.small_step_threads, budget)
         logger.info("CPU kernel plan: %s", plan)
     scheduler = Scheduler(
         SchedulerConfig(

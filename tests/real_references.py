@@ -16,7 +16,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from model.weights.pypi_models import model_cache
+from model.checkpoint.pypi_models import model_cache
 
 
 def _copy_dir(gguf: Path, kind: str) -> Path:

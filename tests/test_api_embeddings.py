@@ -12,7 +12,7 @@ import pytest
 import torch
 from openai import OpenAI
 
-from model.weights.pypi_models import pypi_directory_path
+from model.checkpoint.pypi_models import pypi_directory_path
 from tests.fuzzing import fuzz_statuses
 from tests.live_server import assert_error, engine_config, running_server
 

@@ -1,12 +1,12 @@
-"""Tests for model/batch.py: positions and slots of a ragged flat batch, and block tables
+"""Tests for model/network/batch.py: positions and slots of a ragged flat batch, and block tables
 padded with the cache's null block, never with a live one."""
 
 import pytest
 import torch
 
-from model.batch import Batch
 from model.config import ModelConfig
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 
 BLOCK = 4
 

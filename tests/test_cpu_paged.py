@@ -16,11 +16,11 @@ from model.attention import attention_backend
 from model.attention.base import write_kv
 from model.attention.cpu_paged import CpuPagedBackend
 from model.attention.torch_ref import TorchRefBackend
-from model.batch import Batch
+from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
-from model.llama import Llama
 from model.native import build
-from model.weights.safetensors import iter_safetensors, safetensors_files
+from model.network.batch import Batch
+from model.network.llama import Llama
 from tests.native_builds import ISAS, library_at
 from tests.test_llama import BLOCK, Blocks, cache_for, hf_logits
 from tests.tiny_models import make_tiny_llama

@@ -30,8 +30,8 @@ def cpu_fp32():
 
 
 def _logits(loaded, ids: list[int]) -> torch.Tensor:
-    from model.batch import Batch
-    from model.paged_cache import PagedKVCache
+    from model.network.batch import Batch
+    from model.network.paged_cache import PagedKVCache
 
     device = loaded.model.embed_tokens.weight.device
     dtype = loaded.model.embed_tokens.weight.dtype

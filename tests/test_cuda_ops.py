@@ -13,14 +13,14 @@ pytest.importorskip("triton")
 
 from model.attention import attention_backend  # noqa: E402
 from model.attention.kernels import interpreting  # noqa: E402
-from model.batch import Batch  # noqa: E402
+from model.checkpoint.safetensors import iter_safetensors, safetensors_files  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
 from model.cuda_ops import TritonRmsNorm, triton_rope  # noqa: E402
-from model.decoder_layer import RMSNorm  # noqa: E402
-from model.llama import Llama  # noqa: E402
-from model.paged_cache import PagedKVCache  # noqa: E402
-from model.rope import apply_rope  # noqa: E402
-from model.weights.safetensors import iter_safetensors, safetensors_files  # noqa: E402
+from model.network.batch import Batch  # noqa: E402
+from model.network.decoder_layer import RMSNorm  # noqa: E402
+from model.network.llama import Llama  # noqa: E402
+from model.network.paged_cache import PagedKVCache  # noqa: E402
+from model.network.rope import apply_rope  # noqa: E402
 from tests.tiny_models import make_tiny_llama  # noqa: E402
 
 BF16_TOL = {"rtol": 2**-6 if interpreting() else 2**-7, "atol": 1e-6}

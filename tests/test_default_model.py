@@ -37,8 +37,8 @@ def test_default_model_shape(ours_default):
 
 
 def test_logits_match_transformers(hf_default, ours_default, prompt_ids, device):
-    from model.batch import Batch
-    from model.paged_cache import PagedKVCache
+    from model.network.batch import Batch
+    from model.network.paged_cache import PagedKVCache
 
     hf, _ = hf_default
     model = ours_default.model

@@ -1,4 +1,4 @@
-"""Tests for model/weights/dequant.py against gguf.quants, the independent numpy reference.
+"""Tests for model/checkpoint/dequant.py against gguf.quants, the independent numpy reference.
 
 Our decoders compute in float32 in the same operation order as the reference, so every
 comparison here is bit-exact (tolerance 0; -0.0 and 0.0 differ). The one allowance: NaN
@@ -12,8 +12,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from model.weights.default_model import default_model_path
-from model.weights.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
+from model.checkpoint.default_model import default_model_path
+from model.checkpoint.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
 
 T = GGMLQuantizationType
 

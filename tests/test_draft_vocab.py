@@ -11,11 +11,11 @@ import shutil
 import pytest
 import torch
 
-from model.batch import Batch
 from model.config import ModelConfig
-from model.int6_linear import Int6Linear
-from model.int8_group_linear import Int8GroupLinear
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
+from model.quant.int6 import Int6Linear
+from model.quant.int8_group import Int8GroupLinear
 from model.random_model import random_llama
 
 if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):

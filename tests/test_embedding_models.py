@@ -12,8 +12,8 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processor
 from transformers import BertConfig, BertModel
 
 from model.encoder.checkpoint import load_encoder
+from model.encoder.pooling import PoolingConfig, PoolingConfigError, pool
 from model.loader import load_model
-from model.pooling import PoolingConfig, PoolingConfigError, pool
 from scheduler.runner.pooling_runner import DecoderPoolingRunner, EncoderRunner
 from tests.tiny_families import make_tiny
 

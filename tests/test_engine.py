@@ -306,7 +306,7 @@ def test_the_c_kernels_fast_path_is_batch_invariant(prompts, monkeypatch, int4_k
     At each instruction level the kernels are built for, each taking its own loops (with
     SDPA for the AVX2 and portable builds' prefills, chunking changed greedy tokens)."""
     from model.loader import load_model
-    from model.quantized_linear import Int4Linear
+    from model.quant.int4 import Int4Linear
 
     quantization = "w4a8" if int4_kernel == "native_a8" else "int4"
     loaded = load_model(

@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from model.batch import Batch
+from model.checkpoint import gguf_weights
 from model.greedy import greedy_tokens
 from model.loader import load_model
-from model.paged_cache import PagedKVCache
-from model.weights import gguf as gguf_weights
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams

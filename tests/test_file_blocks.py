@@ -1,4 +1,4 @@
-"""GGUF blocks handed to quantised layers as they are (model/weights/file_blocks.py),
+"""GGUF blocks handed to quantised layers as they are (model/checkpoint/file_blocks.py),
 against the `gguf` package's dequantisation: the integers and scales read from the bytes
 give back its values exactly, a layer filled from blocks computes what the same layer
 filled from its floats does, the loader hands them over, and the default model's tensors
@@ -14,13 +14,13 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
 from model.checkpoint import open_checkpoint
-from model.llama import Llama
+from model.checkpoint.default_model import default_model_path
+from model.checkpoint.dequant import q4_grid, q5_0_grid, q6_k_grid, q8_0_grid
+from model.checkpoint.file_blocks import LAYER_BLOCK_TYPES, FileBlocks
+from model.checkpoint.gguf_weights import count_gguf_tensors, iter_gguf_weights
 from model.loader import load_model
-from model.quantized_linear import quantized_linear
-from model.weights.default_model import default_model_path
-from model.weights.dequant import q4_grid, q5_0_grid, q6_k_grid, q8_0_grid
-from model.weights.file_blocks import LAYER_BLOCK_TYPES, FileBlocks
-from model.weights.gguf import count_gguf_tensors, iter_gguf_weights
+from model.network.llama import Llama
+from model.quant.factory import quantized_linear
 from tests.test_dequant import F16_FIELDS, random_blocks
 
 # The layer format that holds each block type as it is.

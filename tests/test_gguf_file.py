@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
 
+from model.checkpoint.default_model import default_model_path
+from model.checkpoint.gguf_file import open_gguf
 from model.errors import ModelFileError
-from model.weights.default_model import default_model_path
-from model.weights.gguf_file import open_gguf
 
 
 def reference_value(field):

@@ -8,9 +8,10 @@ in float64."""
 import pytest
 import torch
 
-import model.int4_kernel as int4_kernel
+import model.plan.int4_kernel as int4_kernel
 from model.native.ops import NativeInt4A8Matmul, NativeInt4Matmul
-from model.quantized_linear import INT4_GROUP, Int4Linear
+from model.quant.base import INT4_GROUP
+from model.quant.int4 import Int4Linear
 from tests.native_builds import ISAS, kernel_build
 from tests.test_int4_kernel import (
     ROWS,

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model.int4_kernel as int4_kernel
+import model.plan.int4_kernel as int4_kernel
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt4Matmul
-from model.quantized_linear import INT4_GROUP, Int4Linear
+from model.quant.base import INT4_GROUP
+from model.quant.int4 import Int4Linear
 from tests.native_builds import ISAS, kernel_build
 
 SHAPES = [(576, 960), (1536, 576), (64, 32), (64, 48)]  # (in, out); 48: an odd count of tiles
@@ -105,7 +106,8 @@ def test_the_faster_kernel_is_chosen(monkeypatch) -> None:
     int4_kernel._choose_on_cpu.cache_clear()
     monkeypatch.setattr(int4_kernel, "_time_kernels", lambda *_: {"native": 1.0, "torch": 2.0})
     assert int4_kernel.choose_int4_kernel(64, 32, torch.device("cpu")) == "native"
-    layer = Int4Linear(64, 32, "cpu")
+    kernel = int4_kernel.int4_kernel_for("auto", 64, 32, torch.device("cpu"), ("native", "torch"))
+    layer = Int4Linear(64, 32, "cpu", kernel)
     layer.load_rows(0, torch.randn(32, 64))
     assert layer.kernel == "native"
     int4_kernel._choose_on_cpu.cache_clear()

@@ -1,4 +1,4 @@
-"""int5 (model/int5_linear.py, model/native/int5_matmul.c): GGUF Q5_0 weights, quantised by
+"""int5 (model/quant/int5.py, model/native/int5_matmul.c): GGUF Q5_0 weights, quantised by
 the `gguf` package (llama.cpp's reference quantiser in Python), load without loss, and the
 C kernel at every instruction level the machine executes equals `F.linear` in fp32 on the
 same weights to the bf16 output's rounding, a row alone as in any batch."""
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from gguf.quants import GGMLQuantizationType, dequantize, quantize
 
-from model.int5_linear import Int5Linear, _grid_step
 from model.native.ops import NativeInt5Matmul
-from model.quantized_linear import INT4_GROUP
+from model.quant.base import INT4_GROUP
+from model.quant.int5 import Int5Linear, _grid_step
 from tests.native_builds import ISAS, kernel_build, library_at
 
 SHAPES = [(576, 960), (64, 32), (64, 48)]  # (in, out); 48: an odd count of tiles

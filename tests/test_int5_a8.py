@@ -6,8 +6,8 @@ independently, as llama.cpp's Q8_0 does (test_int4_a8_kernel.py), in float64."""
 import pytest
 import torch
 
-from model.int5_linear import Int5Linear
 from model.native.ops import NativeInt5A8Matmul
+from model.quant.int5 import Int5Linear
 from tests.native_builds import ISAS, kernel_build
 from tests.test_int4_a8_kernel import quantised_activations
 from tests.test_int5 import SHAPES, q5_0_weight, relative_error

@@ -1,4 +1,4 @@
-"""int6 (model/int6_linear.py, model/native/int6_matmul.c, int6_grid.c): GGUF Q6_K blocks,
+"""int6 (model/quant/int6.py, model/native/int6_matmul.c, int6_grid.c): GGUF Q6_K blocks,
 random bytes dequantised by the `gguf` package (llama.cpp's dequantiser in Python), load
 without loss; the C kernel at every instruction level the machine executes equals
 `F.linear` in fp32 on the same weights to its output's rounding, a row alone as in any
@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.int6_linear import Int6Linear
 from model.native.ops import NativeInt6Logits, NativeInt6Matmul
+from model.quant.int6 import Int6Linear
 from tests.native_builds import ISAS, kernel_build, library_at
 from tests.q6_k import random_weight
 

@@ -1,5 +1,5 @@
 """A GGUF whose layers and tied output projection mix Q4_1 with Q6_K, as a Q4_K_M file's
-do: the Q6_K ones load into int6 (model/int6_linear.py) where it times no slower than
+do: the Q6_K ones load into int6 (model/quant/int6.py) where it times no slower than
 grouped int8, run on the C decoder layer, and the model computes what the float32 load of
 the same file computes, to the bf16 activations' rounding."""
 
@@ -10,14 +10,14 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from model import cpu_kernels, layer_formats, weight_format
-from model.batch import Batch
-from model.int6_linear import Int6Linear
-from model.int8_group_linear import Int8GroupLinear
-from model.llama import Llama
 from model.loader import load_model
-from model.paged_cache import PagedKVCache
-from model.quantized_linear import Int4Linear
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
+from model.plan import build, layer_formats, weight_format
+from model.quant.int4 import Int4Linear
+from model.quant.int6 import Int6Linear
+from model.quant.int8_group import Int8GroupLinear
 from tests.tiny_families import write_gguf
 from tests.tiny_models import write_tiny_tokenizer
 
@@ -66,9 +66,9 @@ def test_q6_k_layers_and_head_run_in_int6_where_it_times_no_slower(
     # A machine where int4 is the fastest and the head runs quantised: those choices are
     # timing's own (test_weight_format.py, test_int8_head.py).
     monkeypatch.setattr(
-        weight_format, "layer_step_ms", lambda c, fmt, d: 1.0 if fmt.quantization else 9.0
+        weight_format, "layer_step_ms", lambda c, fmt, *_: 1.0 if fmt.quantization else 9.0
     )
-    monkeypatch.setattr(cpu_kernels, "head_int8", lambda *_: True)
+    monkeypatch.setattr(build, "head_int8", lambda *_: True)
     times = (1.0, 2.0) if int6_pays else (2.0, 1.0)  # int6, grouped int8 (past NEAR_TIE)
     monkeypatch.setattr(layer_formats, "int6_and_int8g_ms", lambda *_: times)
     model = load_model(path, dtype="auto", quantization="auto", progress=False).model

@@ -11,21 +11,21 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-import model.head_format as head_format
-from model.batch import Batch
+import model.plan.head_format as head_format
+from model.checkpoint.default_model import default_model_path
+from model.checkpoint.gguf_file import open_gguf
+from model.checkpoint.gguf_weights import output_quantized
+from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
-from model.head_format import choose_head_int8
-from model.int8_group_linear import Int8GroupLinear
-from model.llama import Llama
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt8Matmul
-from model.paged_cache import PagedKVCache
-from model.quantized_linear import fp16_scales
-from model.weight_format import WeightFormat
-from model.weights.default_model import default_model_path
-from model.weights.gguf import output_quantized
-from model.weights.gguf_file import open_gguf
-from model.weights.safetensors import iter_safetensors, safetensors_files
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
+from model.plan.head_format import choose_head_int8
+from model.plan.weight_format import WeightFormat
+from model.quant.base import fp16_scales
+from model.quant.int8_group import Int8GroupLinear
 from tests.native_builds import ISAS, kernel_build
 from tests.tiny_families import make_tiny, write_gguf
 from tests.tiny_models import make_tiny_llama

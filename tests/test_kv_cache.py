@@ -17,7 +17,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from model.batch import Batch
+from model.network.batch import Batch
 from scheduler import kv_cache
 from scheduler.kv_cache import KVCacheManager
 

@@ -1,9 +1,14 @@
 """The import picture, read from the source with `ast` (every import: top-level, inside
 functions, type-only): dependencies run server -> scheduler -> model and never back; no
-module in model/ is a process entry point or imports one; server/ has no import circle."""
+module in model/ is a process entry point or imports one; no package has an import
+circle; a weight format (model/quant/) never imports the kernel plan (model/plan/) that
+chooses its kernels. And the size a reader can take in: no file over 300 lines, no
+function over 80."""
 
 import ast
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("model", "scheduler", "server")
@@ -62,53 +67,76 @@ def test_no_process_entry_point_in_model() -> None:
     assert not [f"{name} -> {t}" for name in model for t in GRAPH[name] if t in entry_points]
 
 
-def test_no_import_circle_in_server() -> None:
-    server = {name for name in MODULES if layer(name) == "server"}
+# Being taken apart in parallel work; the marks go when it lands.
+PENDING = pytest.mark.xfail(strict=False, reason="restructured elsewhere")
+MAX_FILE_LINES = 300
+MAX_FUNCTION_LINES = 80
+
+
+def circle(package: str) -> list[str] | None:
+    """One import circle among `package`'s modules, as the path round it, or None."""
+    members = {name for name in MODULES if layer(name) == package}
     done: set[str] = set()
 
-    def visit(name: str, path: list[str]) -> None:
+    def visit(name: str, path: list[str]) -> list[str] | None:
         if name in path:
-            raise AssertionError(" -> ".join(path[path.index(name) :] + [name]))
+            return path[path.index(name) :] + [name]
         if name in done:
-            return
-        for target in sorted(GRAPH[name] & server):
-            visit(target, [*path, name])
+            return None
+        for target in sorted(GRAPH[name] & members):
+            found = visit(target, [*path, name])
+            if found:
+                return found
         done.add(name)
+        return None
 
-    for name in sorted(server):
-        visit(name, [])
-
-
-MAX_FUNCTION_LINES = 80
-MAX_FILE_LINES = 300
+    return next(filter(None, (visit(name, []) for name in sorted(members))), None)
 
 
-def long_functions(package: str) -> list[str]:
-    """Functions (methods and nested ones included) of `package` longer than the limit,
-    counted from `def` to their last line, docstring included and decorators not."""
-    found = []
-    for name, path in MODULES.items():
-        if layer(name) != package:
-            continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                lines = node.end_lineno - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
-                    found.append(f"{name}.{node.name}: {lines} lines")
-    return found
+def test_a_circle_is_found() -> None:
+    saved = set(GRAPH["model.errors"])
+    GRAPH["model.errors"].add("model.plan.kernel_plan")  # which imports model.errors
+    try:
+        assert circle("model") is not None
+    finally:
+        GRAPH["model.errors"] = saved
 
 
-def long_files(package: str) -> list[str]:
-    return [
-        f"{path.relative_to(ROOT)}: {lines} lines"
-        for name, path in MODULES.items()
-        if layer(name) == package and (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES
+@pytest.mark.parametrize("package", ["model", pytest.param("scheduler", marks=PENDING), "server"])
+def test_no_import_circle(package: str) -> None:
+    found = circle(package)
+    assert found is None, " -> ".join(found)
+
+
+def test_weight_formats_never_import_the_kernel_plan() -> None:
+    wrong = [
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        if name.startswith("model.quant")
+        for target in targets
+        if target.startswith("model.plan")
     ]
+    assert not wrong
 
 
-def test_no_long_function_in_server() -> None:
-    assert not long_functions("server")
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_file_over_300_lines(package: str) -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for name, path in MODULES.items()
+        if layer(name) == package and (n := len(path.read_text().splitlines())) > MAX_FILE_LINES
+    }
+    assert not long
 
 
-def test_no_long_file_in_server() -> None:
-    assert not long_files("server")
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_function_over_80_lines(package: str) -> None:
+    long = [
+        f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)"
+        for name, path in MODULES.items()
+        if layer(name) == package
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (length := node.end_lineno - node.lineno + 1) > MAX_FUNCTION_LINES
+    ]
+    assert not long

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from model.batch import Batch
+from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
-from model.llama import Llama
-from model.paged_cache import PagedKVCache
-from model.weights.safetensors import iter_safetensors, safetensors_files
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from tests.tiny_models import make_tiny_llama
 
 BLOCK = 4
@@ -152,7 +152,7 @@ def test_flat_batch_equals_each_alone(pair, device):
 
 def test_an_empty_model_is_built_without_importing_dynamo_or_sympy() -> None:
     """`Llama.empty` builds its skeleton on the meta device with the init's random fills
-    skipped and makes its tensors real with plain factories (model/meta_init.py): on meta
+    skipped and makes its tensors real with plain factories (model/network/meta_init.py): on meta
     tensors the fills and `empty_like` run through Python decompositions that import
     torch._dynamo and sympy, 2 s of a server's start. In a fresh interpreter, loading the
     default model leaves both unimported."""

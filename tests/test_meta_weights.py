@@ -1,4 +1,5 @@
-"""model/weights/meta.py and the loader's Meta-directory branch: a tiny Llama 3-style network
+"""model/checkpoint/meta_weights.py and the loader's Meta-directory branch: a tiny Llama
+3-style network
 (GQA, the 128,256-token vocabulary, Llama 3.1 rope scaling, Meta's FFN sizing) saved in Meta's
 layout (bf16, one and two model-parallel files) and in HF's gives the same fp32 logits in
 llamaserve as Meta's own reference Transformer and as `transformers`."""
@@ -8,14 +9,14 @@ import json
 import pytest
 import torch
 
-from model.batch import Batch
+from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
 from model.errors import ModelFileError, UnsupportedModelError
-from model.llama import Llama
 from model.loader import load_model
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from model.text.llama3_chat import Llama3ChatFormat
-from model.weights.safetensors import iter_safetensors, safetensors_files
 from tests.meta_reference import (
     LLAMA3_VOCAB,
     TINY_PARAMS,

@@ -11,11 +11,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-import model.cpu_kernels as cpu_kernels
-from model.batch import Batch
+import model.plan.int4_kernel as int4_kernel
 from model.loader import load_model
 from model.native.build import ISA_ENV
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 from tests.native_builds import ISAS, library_at
 from tests.tiny_families import make_tiny
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
@@ -33,7 +33,7 @@ def tiny_dir(request, tmp_path, monkeypatch):
     kernel, isa = request.param
     library_at(isa)
     monkeypatch.setenv(ISA_ENV, isa)
-    monkeypatch.setattr(cpu_kernels, "choose_int4_kernel", lambda *_: kernel)
+    monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: kernel)
     make_tiny_llama(tmp_path, heads="gqa")
     write_tiny_tokenizer(tmp_path)
     return tmp_path
@@ -110,9 +110,9 @@ def test_a_sequence_alone_equals_it_in_a_batch(tiny_dir) -> None:
 def test_used_only_where_every_part_fits(tiny_dir, monkeypatch) -> None:
     assert all(layer.native is None for layer in load(tiny_dir, dtype="float32").layers)
     assert all(layer.native is None for layer in load(tiny_dir, quantization="none").layers)
-    monkeypatch.setattr(cpu_kernels, "choose_int4_kernel", lambda *_: "torch")
+    monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: "torch")
     assert all(layer.native is None for layer in load(tiny_dir).layers)
-    monkeypatch.setattr(cpu_kernels, "choose_int4_kernel", lambda *_: "native")
+    monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: "native")
     model = load(tiny_dir)
     model.layers[1].reduce = lambda t: t  # as tensor parallelism sets it
     assert model.use_native_layers() == 1
@@ -147,7 +147,7 @@ def test_a_decode_step_in_one_call_equals_the_two_call_layer(tiny_dir) -> None:
 def test_each_family_runs_on_the_c_layer(family, quantization, tmp_path, monkeypatch) -> None:
     # Qwen2's Q/K/V bias, the per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms
     # after attention and the MLP and its GELU-tanh gate, on int4, grouped int8 and int5 weights.
-    monkeypatch.setattr(cpu_kernels, "choose_int4_kernel", lambda *_: "native")
+    monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: "native")
     make_tiny(family, tmp_path)
     model = load(tmp_path, quantization=quantization)
     assert all(layer.native is not None for layer in model.layers)

@@ -10,9 +10,9 @@ import shutil
 import pytest
 import torch
 
-from model.decoder_layer import RMSNorm
 from model.loader import load_model
 from model.native.ops import NativeRmsNorm
+from model.network.decoder_layer import RMSNorm
 from tests.native_builds import ISAS
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 

@@ -1,4 +1,5 @@
-"""A quantised, untied GGUF embedding stays in the file's blocks (model/packed_embedding.py):
+"""A quantised, untied GGUF embedding stays in the file's blocks
+(model/checkpoint/packed_embedding.py):
 the rows it looks up equal the `gguf` package's own dequantisation of the whole table, and
 the model's logits equal those of the same weights loaded as a dense table."""
 
@@ -7,11 +8,11 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
-from model.batch import Batch
 from model.checkpoint.gguf import GGUFCheckpoint
+from model.checkpoint.packed_embedding import PackedEmbedding
 from model.loader import load_model
-from model.packed_embedding import PackedEmbedding
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 from tests.tiny_families import make_tiny, write_gguf
 
 

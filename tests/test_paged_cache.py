@@ -1,4 +1,4 @@
-"""Tests for model/paged_cache.py: the KV tensors are zeros (finite where never written),
+"""Tests for model/network/paged_cache.py: the KV tensors are zeros (finite where never written),
 carry the null block, and on the CPU take memory only where blocks are written."""
 
 import re
@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from model.config import ModelConfig
-from model.paged_cache import PagedKVCache
+from model.network.paged_cache import PagedKVCache
 
 SMOLLM2 = ModelConfig(
     dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536, vocab_size=49152

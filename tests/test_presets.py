@@ -12,9 +12,9 @@ from model import random_model
 from model.config import ModelConfig, meta_ffn_dim
 from model.errors import UnsupportedModelError
 from model.greedy import greedy_tokens
-from model.llama import Llama
+from model.network.llama import Llama
+from model.network.rope import inverse_frequencies
 from model.presets import PRESETS, preset_config
-from model.rope import inverse_frequencies
 from model.text.llama3_chat import Llama3ChatFormat
 from scheduler.runner.kv_capacity import kv_bytes_per_block
 from tests.meta_reference import meta_model_module, meta_tokenizer, meta_tokenizer_path

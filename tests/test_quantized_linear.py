@@ -1,4 +1,4 @@
-"""Tests for model/quantized_linear.py: each weight-only format against its fp32 twin (the
+"""Tests for model/quant/: each weight-only format against its fp32 twin (the
 same weights through `F.linear`), rows loaded in any order, and the exact requantisation of
 GGUF Q4_1-style groups."""
 
@@ -7,8 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from model.errors import UnsupportedFormatError
-from model.file_grid import file_grid
-from model.quantized_linear import INT4_GROUP, Int4Linear, Int8Linear, quantized_linear
+from model.quant.base import INT4_GROUP
+from model.quant.factory import quantized_linear
+from model.quant.file_grid import file_grid
+from model.quant.int4 import Int4Linear
+from model.quant.int8 import Int8Linear
 
 SHAPES = [(576, 960), (1536, 576), (64, 96)]  # (in, out): SmolLM2's QKV and down; tiny
 

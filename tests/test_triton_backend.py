@@ -10,11 +10,11 @@ import torch
 pytest.importorskip("triton")
 
 from model.attention import attention_backend  # noqa: E402
-from model.batch import Batch  # noqa: E402
+from model.checkpoint.safetensors import iter_safetensors, safetensors_files  # noqa: E402
 from model.config import ModelConfig  # noqa: E402
-from model.llama import Llama  # noqa: E402
-from model.paged_cache import PagedKVCache  # noqa: E402
-from model.weights.safetensors import iter_safetensors, safetensors_files  # noqa: E402
+from model.network.batch import Batch  # noqa: E402
+from model.network.llama import Llama  # noqa: E402
+from model.network.paged_cache import PagedKVCache  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
 from scheduler.engine_factory import create_engine  # noqa: E402
 from scheduler.request import SamplingParams  # noqa: E402

@@ -1,4 +1,4 @@
-"""Start-up measurements that hold (model/tuning.py): stored once and read back, taken
+"""Start-up measurements that hold (model/plan/tuning.py): stored once and read back, taken
 again on a busy machine (real processes burning the CPUs) without being stored, and two
 servers' start-ups started at the same moment, as real processes, choose the same."""
 
@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from model import tuning
+from model.plan import tuning
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_a_busy_machine_measures_again_and_stores_nothing(store, caplog) -> None
             time.sleep(0.3)
             return 1.0
 
-        with caplog.at_level(logging.WARNING, logger="model.tuning"):
+        with caplog.at_level(logging.WARNING, logger="model.plan.tuning"):
             assert tuning.remembered("prefill_ms_per_token", {}, counting_sleep(measure)) == 1.0
     finally:
         for burner in burners:
@@ -139,7 +139,7 @@ def counting_sleep(measure):
 START_UP = textwrap.dedent(
     """
     import json, logging, sys, torch
-    from model import tuning
+    from model.plan import tuning
     from model.loader import load_model
     from scheduler.config import EngineConfig
     from scheduler.engine_factory import create_engine

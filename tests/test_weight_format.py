@@ -1,4 +1,4 @@
-"""Tests for model/weight_format.py and the formats through the whole model: the start-up
+"""Tests for model/plan/weight_format.py and the formats through the whole model: the start-up
 choice with the measurement stubbed, the candidates each flag allows, and every format's
 logits against the fp32 model on the same weights (tolerances stated per format)."""
 
@@ -8,28 +8,28 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
-from model import weight_format
-from model.batch import Batch
+from model.checkpoint.safetensors import iter_safetensors, safetensors_files
 from model.config import ModelConfig
-from model.decoder_layer import _native_weight
 from model.errors import UnsupportedFormatError
-from model.int5_linear import Int5Linear
-from model.int8_group_linear import Int8GroupLinear
-from model.llama import Llama
 from model.loader import load_model
 from model.native.build import cpu_flags
 from model.native.layer import INT5_A8
 from model.native.ops import NativeInt4Matmul
-from model.paged_cache import PagedKVCache
-from model.quantized_linear import Int4Linear
-from model.weight_format import (
+from model.network.batch import Batch
+from model.network.decoder_layer import _native_weight
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
+from model.plan import weight_format
+from model.plan.weight_format import (
     WeightFormat,
     candidate_formats,
     choose_weight_format,
     layer_step_ms,
     resolve_weight_format,
 )
-from model.weights.safetensors import iter_safetensors, safetensors_files
+from model.quant.int4 import Int4Linear
+from model.quant.int5 import Int5Linear
+from model.quant.int8_group import Int8GroupLinear
 from tests.native_builds import MACHINE_ISAS
 from tests.tiny_families import write_gguf
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
@@ -72,7 +72,7 @@ def test_a_single_candidate_is_not_timed() -> None:
 
 
 def test_auto_never_quantises_below_the_checkpoint(monkeypatch) -> None:
-    monkeypatch.setattr(weight_format, "int8_activations_in_auto", lambda: False)
+    monkeypatch.setattr(weight_format, "int8_activations_in_auto", lambda _mode: False)
     assert candidate_formats("auto", "auto", None, CPU) == [FP32, BF16]  # float weights
     # Q8_0, Q5_0, Q6_K: int8 per row is lossy, in groups of 32 it holds them.
     assert candidate_formats("auto", "auto", 8, CPU) == [FP32, BF16, INT8G]
@@ -106,7 +106,7 @@ def test_auto_also_times_int8_activations_where_int4_has_no_bf16_products(cpu_is
 
 
 def test_a_file_mixing_4_bit_and_wider_layers_may_run_each_in_its_own(monkeypatch) -> None:
-    monkeypatch.setattr(weight_format, "int8_activations_in_auto", lambda: False)
+    monkeypatch.setattr(weight_format, "int8_activations_in_auto", lambda _mode: False)
     # A Q4_K_M file: Q4_K layers beside Q6_K ones.
     assert candidate_formats("auto", "auto", 6, CPU, some_4_bit=True) == [
         FP32,
@@ -229,7 +229,7 @@ def test_a_mixed_gguf_runs_q5_0_layers_in_int5_where_it_times_no_slower(
     path = write_mixed_gguf(tmp_path)
     timings = {None: 9.0, "int5": int5_ms}
     monkeypatch.setattr(
-        weight_format, "layer_step_ms", lambda c, fmt, d: timings.get(fmt.quantization, 1.0)
+        weight_format, "layer_step_ms", lambda c, fmt, *_: timings.get(fmt.quantization, 1.0)
     )
     mixed = load_model(path, dtype="auto", quantization="auto", progress=False).model
     q5 = Int5Linear if int5_ms == 1.0 else Int8GroupLinear  # 2.0: past NEAR_TIE of 1.0
@@ -248,7 +248,7 @@ def test_a_mixed_gguf_runs_its_4_bit_layers_in_int4_and_the_rest_in_int8g(
     path = write_mixed_gguf(tmp_path)
     # A machine where int4 is the fastest: the choice itself is timing's (tests above).
     monkeypatch.setattr(
-        weight_format, "layer_step_ms", lambda c, fmt, d: 1.0 if fmt.quantization else 9.0
+        weight_format, "layer_step_ms", lambda c, fmt, *_: 1.0 if fmt.quantization else 9.0
     )
     mixed = load_model(path, dtype="auto", quantization="auto", progress=False).model
     assert layer_kinds(mixed) == [

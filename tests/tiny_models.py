@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model.config import ModelConfig
-from model.llama import Llama
+from model.network.llama import Llama
 from model.random_model import random_llama
 
 TINY_SHAPES = {

@@ -18,8 +18,8 @@ from tokenizers import Tokenizer as HFBackend
 from tokenizers import pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from model.weights.default_model import default_model_path
-from model.weights.gguf_file import open_gguf
+from model.checkpoint.default_model import default_model_path
+from model.checkpoint.gguf_file import open_gguf
 
 PROSE_WORDS = (
     "the of and to in is was for on that with as by at from his her it an were are which this "

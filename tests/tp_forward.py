@@ -9,9 +9,9 @@ import argparse
 
 import torch
 
-from model.batch import Batch
 from model.loader import load_model
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 from model.parallel.distributed import DistributedSpec, close_distributed, init_distributed
 from model.parallel.plan import TensorParallel
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from model.batch import Batch
+from model.network.batch import Batch
 
 
 class AttentionBackend(ABC):

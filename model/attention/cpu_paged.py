@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 
 from model.attention.torch_ref import TorchRefBackend, TorchRefPlan, _Group
-from model.batch import Batch
 from model.native.layer import DecodeBatch
 from model.native.ops import paged_decode_kernels
+from model.network.batch import Batch
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from model.attention.base import AttentionBackend, write_kv
-from model.batch import Batch
+from model.network.batch import Batch
 
 
 @dataclass

@@ -18,7 +18,7 @@ from model.attention.base import AttentionBackend
 from model.attention.kernels.decode import paged_decode
 from model.attention.kernels.kv_write import kv_write
 from model.attention.kernels.prefill import paged_prefill
-from model.batch import Batch
+from model.network.batch import Batch
 
 # Blocks one decode program covers before the context is split over another (split-K):
 # 256 tokens at block size 16, so a long context spreads over many programs while a short

@@ -6,6 +6,11 @@ apart, so the loader never asks which it holds, and a family or a format is adde
 place.
 
 Every way a path can be wrong ends here as one `ModelFileError` sentence naming it.
+
+The package is the one room for what a checkpoint holds: the readers (`gguf_file.py`,
+`gguf_weights.py`, `safetensors.py`, `meta_weights.py`), GGUF dequantisation
+(`dequant.py`), a file's blocks handed over as they are (`file_blocks.py`,
+`packed_embedding.py`), and where models come from (`default_model.py`, `pypi_models.py`).
 """
 
 from __future__ import annotations

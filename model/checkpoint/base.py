@@ -9,12 +9,12 @@ from typing import Any
 
 import torch
 
+from model.checkpoint.file_blocks import FileBlocks
 from model.config import ModelConfig
 from model.errors import ModelFileError, TokenizerError
 from model.parallel.plan import TensorParallel
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
-from model.weights.file_blocks import FileBlocks
 
 Weights = Iterator[tuple[str, torch.Tensor | FileBlocks]]
 
@@ -46,12 +46,12 @@ class Checkpoint(ABC):
         they are already `tp`'s rank's slices (else the loader cuts them). Without `tp`, a
         large tensor may come as consecutive blocks of its rows under its one name. With
         `file_blocks`, a format that stores blocks some quantised layer holds as they are
-        may hand them over undecoded (model/weights/file_blocks.py)."""
+        may hand them over undecoded (model/checkpoint/file_blocks.py)."""
 
     def packed_embedding(self, dtype: torch.dtype) -> torch.nn.Module | None:
         """The token embedding as a module that reads the file's quantised rows as they
-        are looked up (model/packed_embedding.py), or None where the format has none; once
-        handed over, `weights` leaves it out."""
+        are looked up (model/checkpoint/packed_embedding.py), or None where the format has
+        none; once handed over, `weights` leaves it out."""
         return None
 
     @abstractmethod

@@ -8,16 +8,11 @@ from pathlib import Path
 import torch
 
 from model.checkpoint.base import Checkpoint, Weights, named_tokenizer
-from model.config import ModelConfig
-from model.packed_embedding import PackedEmbedding
-from model.parallel.plan import TensorParallel
-from model.text.chat_template import ChatTemplate
-from model.text.tokenizer import Tokenizer
-from model.text.tokenizer_files import tokenizer_from_gguf
-from model.weights.default_model import DEFAULT_MODEL_NAME, default_model_path_or_none
-from model.weights.dequant import FLOAT_TYPES
-from model.weights.file_blocks import LAYER_BLOCK_TYPES
-from model.weights.gguf import (
+from model.checkpoint.default_model import DEFAULT_MODEL_NAME, default_model_path_or_none
+from model.checkpoint.dequant import FLOAT_TYPES
+from model.checkpoint.file_blocks import LAYER_BLOCK_TYPES
+from model.checkpoint.gguf_file import open_gguf
+from model.checkpoint.gguf_weights import (
     check_tensor_types,
     count_gguf_tensors,
     iter_gguf_weights,
@@ -27,7 +22,12 @@ from model.weights.gguf import (
     output_quantized,
     wide_linears,
 )
-from model.weights.gguf_file import open_gguf
+from model.checkpoint.packed_embedding import PackedEmbedding
+from model.config import ModelConfig
+from model.parallel.plan import TensorParallel
+from model.text.chat_template import ChatTemplate
+from model.text.tokenizer import Tokenizer
+from model.text.tokenizer_files import tokenizer_from_gguf
 
 
 class GGUFCheckpoint(Checkpoint):

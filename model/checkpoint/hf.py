@@ -9,13 +9,13 @@ from pathlib import Path
 import torch
 
 from model.checkpoint.base import Checkpoint, Weights, named_tokenizer
+from model.checkpoint.safetensors import count_tensors, iter_safetensors, safetensors_files
 from model.config import ModelConfig
 from model.families import FAMILIES
 from model.parallel.plan import TensorParallel
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
 from model.text.tokenizer_files import tokenizer_from_hf_dir
-from model.weights.safetensors import count_tensors, iter_safetensors, safetensors_files
 
 
 class HFCheckpoint(Checkpoint):

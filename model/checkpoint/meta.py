@@ -9,18 +9,18 @@ from pathlib import Path
 import torch
 
 from model.checkpoint.base import Checkpoint, Weights
-from model.config import ModelConfig
-from model.errors import ModelFileError, TokenizerError
-from model.parallel.plan import TensorParallel
-from model.text.llama3_tokenizer import llama3_tokenizer
-from model.text.tokenizer import Tokenizer
-from model.weights.meta import (
+from model.checkpoint.meta_weights import (
     count_meta_tensors,
     files_match_ranks,
     iter_meta_rank_weights,
     iter_meta_weights,
     open_meta_checkpoint,
 )
+from model.config import ModelConfig
+from model.errors import ModelFileError, TokenizerError
+from model.parallel.plan import TensorParallel
+from model.text.llama3_tokenizer import llama3_tokenizer
+from model.text.tokenizer import Tokenizer
 
 
 class MetaCheckpointDir(Checkpoint):

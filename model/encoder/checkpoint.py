@@ -18,13 +18,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from model.checkpoint.safetensors import count_tensors, iter_safetensors, safetensors_files
 from model.encoder.bert import Bert, BertConfig
+from model.encoder.pooling import PoolingConfig
 from model.encoder.precision import fastest_dtype
 from model.errors import ModelFileError, UnsupportedModelError
-from model.pooling import PoolingConfig
+from model.plan.weight_format import DTYPES
 from model.text.wordpiece import WordPieceTokenizer
-from model.weight_format import DTYPES
-from model.weights.safetensors import count_tensors, iter_safetensors, safetensors_files
 
 logger = logging.getLogger(__name__)
 

@@ -74,7 +74,7 @@ def _gguf_fields(md: dict[str, Any], source: str) -> Fields:
     }
 
 
-# transformers' names for Gemma's four norms -> ours (model/decoder_layer.py), in an order
+# transformers' names for Gemma's four norms -> ours (model/network/decoder_layer.py), in an order
 # that renames "post_attention_layernorm" before it is reused for the pre-MLP norm.
 _RENAMES = (
     ("post_attention_layernorm", "attn_out_norm"),

@@ -2,7 +2,7 @@
 
 A family names the HF `model_type`s and the GGUF `general.architecture` it reads, and
 turns the family-specific fields of a config into `ModelConfig` fields; the layer itself
-reads those fields (model/llama.py). Families never touch tensors.
+reads those fields (model/network/llama.py). Families never touch tensors.
 """
 
 from __future__ import annotations

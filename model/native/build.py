@@ -136,7 +136,7 @@ def library_for(level: str) -> ctypes.CDLL:
 def library_key(level: str) -> str:
     """What the library for `level` is built from: sources, compiler and flags, and the
     CPU (what `-march=native` depends on); its file name, and the key of anything
-    measured on it (model/tuning.py)."""
+    measured on it (model/plan/tuning.py)."""
     compiler = _compiler()
     compile_flags = (f"-march={ISA_MARCH[level]}", *COMPILE_FLAGS)
     text = b"".join((HERE / name).read_bytes() for name in (*SOURCES, *HEADERS))

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from model.batch import Batch
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 
 
 @dataclass

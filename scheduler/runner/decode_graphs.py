@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from model.batch import Batch
-from model.llama import Llama
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 
 logger = logging.getLogger(__name__)
 

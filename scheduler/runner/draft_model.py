@@ -26,9 +26,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from model.batch import Batch
-from model.llama import Llama
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from model.sampler import greedy_ids
 from model.token_bitmask import apply_token_bitmask
 from scheduler.config import EngineConfig
@@ -40,8 +40,9 @@ class DraftModel:
     def __init__(self, model: Llama, num_blocks: int, config: EngineConfig) -> None:
         self.model = model
         self.device = model.device
+        self.argmax = model.kernel_plan.argmax_kernel() if model.kernel_plan else None
         self.block_size = block_size = config.block_size
-        # Its guesses among the first ids only: model/llama.py computes just those logits.
+        # Its guesses among the first ids only: model/network/llama.py computes just those logits.
         spec = config.speculative
         self.logit_rows = spec.draft_vocab_size if spec else None
         # A guess the draft itself gives less than this probability ends the sequence's
@@ -195,7 +196,7 @@ class DraftModel:
                 at = torch.tensor([j for j, _ in masks], device=picked.device)
                 bitmask = torch.from_numpy(np.concatenate([m for _, m in masks])).to(picked.device)
                 apply_token_bitmask(picked, at, bitmask)
-        ids = greedy_ids(picked)
+        ids = greedy_ids(picked, self.argmax)
         if self.p_min <= 0.0:
             return ids.tolist(), [1.0] * len(rows)
         best = picked.gather(1, ids[:, None])[:, 0].float()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from model.batch import Batch
+from model.network.batch import Batch
 from model.sampler import SamplingMetadata
 from scheduler.step_data import ScheduledRequest
 

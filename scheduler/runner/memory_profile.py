@@ -12,9 +12,9 @@ import logging
 
 import torch
 
-from model.batch import Batch
-from model.llama import Llama
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 from model.sampler import Sampler, SamplingMetadata
 from scheduler.config import EngineConfigError
 

@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from model.batch import Batch
-from model.llama import Llama
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
+from model.plan.tuning import config_key, remembered_for
 from model.sampler import Sampler, position_seed
-from model.tuning import config_key, remembered_for
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
 from scheduler.runner.decode_graphs import DecodeGraphs
 from scheduler.runner.draft_model import DraftModel
@@ -53,7 +53,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = config.block_size
-        self.sampler = Sampler()
+        self.sampler = Sampler(model.kernel_plan.argmax_kernel() if model.kernel_plan else None)
         # Ids a sequence may sample: a checkpoint's vocabulary is often padded past its
         # tokenizer's, and an id the tokenizer cannot decode must never be drawn.
         self.sample_vocab_size = model.config.vocab_size
@@ -132,7 +132,7 @@ class ModelRunner:
         return remembered_for(self.model, "prefill_ms_per_token", key, measure)
 
     def _tuning_key(self) -> dict[str, object]:
-        """What a step's speed depends on beside the thread count (model/tuning.py): the
+        """What a step's speed depends on beside the thread count (model/plan/tuning.py): the
         model's shape, its weight format and kernels, and the block size."""
         modules = {f"{type(m).__name__}:{getattr(m, 'kernel', '')}" for m in self.model.modules()}
         return {

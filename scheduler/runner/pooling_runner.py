@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from model.batch import Batch
 from model.encoder.bert import Bert
-from model.llama import Llama
-from model.paged_cache import PagedKVCache
-from model.pooling import PoolingConfig, pool
+from model.encoder.pooling import PoolingConfig, pool
+from model.network.batch import Batch
+from model.network.llama import Llama
+from model.network.paged_cache import PagedKVCache
 
 
 class EncoderRunner:

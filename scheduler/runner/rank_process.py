@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from model.loader import load_model
-from model.paged_cache import PagedKVCache
+from model.network.paged_cache import PagedKVCache
 from model.parallel.distributed import DistributedSpec, close_distributed, init_distributed
 from model.parallel.plan import TensorParallel
 from model.parallel.steps import batch_to, broadcast

@@ -140,9 +140,9 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from model.encoder.pooling import PoolingConfigError
     from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
     from model.parallel.distributed import DistributedError
-    from model.pooling import PoolingConfigError
     from scheduler.config import EngineConfigError
 
     args = build_parser().parse_args(argv)

@@ -73,7 +73,7 @@ class ServeConfig:
     metrics_require_api_key: bool = False
     device: str = "cpu"  # or "cuda", "cuda:N", "auto" (cuda when a GPU is visible)
     attention_backend: str = "auto"  # model/attention: by device
-    cpu_kernels: str = "auto"  # model/cpu_kernels.py: auto, native or torch
+    cpu_kernels: str = "auto"  # model/plan/mode.py: auto, native or torch
     # A dtype, or a name ("auto" times this machine); the CLI defaults to "auto", code that
     # builds a config to the exact float32 the transformers comparisons hold to.
     dtype: torch.dtype | str = torch.float32

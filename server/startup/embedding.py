@@ -12,12 +12,12 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from model.checkpoint.pypi_models import resolve_model_path
 from model.encoder.checkpoint import is_encoder_dir, load_encoder, matryoshka_dimensions
+from model.encoder.pooling import PoolingConfig
 from model.loader import LoadedModel, resolve_device
-from model.pooling import PoolingConfig
 from model.text.tokenizer import Tokenizer
 from model.text.wordpiece import WordPieceTokenizer
-from model.weights.pypi_models import resolve_model_path
 from scheduler.pooling_engine import PoolingEngine
 from scheduler.runner.pooling_runner import DecoderPoolingRunner, EncoderRunner
 from scheduler.scheduler import SchedulerConfig

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 
 from model.attention import BACKENDS
-from model.cpu_kernels import CPU_KERNELS
-from model.quantized_linear import QUANTIZATIONS
-from model.weight_format import DTYPES
-from model.weights.pypi_models import PYPI_DIRECTORIES, PYPI_MODELS
+from model.checkpoint.pypi_models import PYPI_DIRECTORIES, PYPI_MODELS
+from model.plan.mode import CPU_KERNELS
+from model.plan.weight_format import DTYPES
+from model.quant.base import QUANTIZATIONS
 
 
 class UsageError(ValueError):

@@ -17,10 +17,10 @@ from contextlib import asynccontextmanager, contextmanager
 import uvicorn
 from fastapi import FastAPI
 
-from model import tuning
 from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
 from model.loader import LoadedModel, load_model, resolve_device
 from model.parallel.plan import TensorParallel
+from model.plan import tuning
 from model.random_model import load_random_model
 from scheduler.async_engine import AsyncEngine
 from scheduler.engine import Engine
@@ -119,7 +119,7 @@ def build_server(
         group = start_rank0(config, parallel)
     try:
         # Servers starting together take turns: each measures on a quiet machine, or reads
-        # what the one before it measured (model/tuning.py). Not across the ranks of -tp,
+        # what the one before it measured (model/plan/tuning.py). Not across the ranks of -tp,
         # which must load together.
         with tuning.startup() if group is None else contextlib.nullcontext():
             if loaded is None:

@@ -1,6 +1,6 @@
 """`llamaserve tune`: the start-up measurements (weight format, int4 kernel per layer
 shape, output projection, threads for one-token steps, the step's token budget) taken
-again for a model and stored (model/tuning.py), as `serve` would take them on a quiet
+again for a model and stored (model/plan/tuning.py), as `serve` would take them on a quiet
 machine; the next `serve` of the same model, flags and thread count reads them back.
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 
-from model import tuning
+from model.plan import tuning
 from scheduler.config import EngineConfig
 from scheduler.engine_factory import create_engine
 from server.startup.config import ServeConfig

@@ -11,20 +11,33 @@ import torch
 import torch.nn.functional as F
 
 from model.config import ModelConfig
-from model.int8_group_linear import Int8GroupLinear
 from model.native.build import NativeUnavailable
-from model.quantized_linear import INT4_GROUP
-from model.timing import best_ms
-from model.tuning import config_key, remembered
-from model.weight_format import MEASURED_BATCH_SIZES, WeightFormat
+from model.plan.timing import best_ms
+from model.plan.tuning import config_key, remembered
+from model.plan.weight_format import MEASURED_BATCH_SIZES, WeightFormat
+from model.quant.base import INT4_GROUP
+from model.quant.int8_group import Int8GroupLinear
 
 logger = logging.getLogger(__name__)
+
+
+def head_int8(
+    mode: str, config: ModelConfig, fmt: WeightFormat, quantized: bool, device: torch.device
+) -> bool:
+    """Whether the output projection runs in grouped int8 under `--cpu-kernels mode`:
+    never under `torch`, wherever it may under `native`, where it times faster under
+    `auto`."""
+    if mode == "torch":
+        return False
+    if mode == "native":
+        return head_int8_applies(config, fmt, quantized, device)
+    return choose_head_int8(config, fmt, quantized, device)
 
 
 def choose_head_int8(
     config: ModelConfig, fmt: WeightFormat, quantized: bool, device: torch.device
 ) -> bool:
-    """Whether the output projection runs in grouped int8 (model/quantized_linear.py): only
+    """Whether the output projection runs in grouped int8 (model/quant/int8_group.py): only
     where the checkpoint stores it quantised in 8 bits or fewer (`quantized`: GGUF Q8_0,
     exact in int8, or Q6_K and narrower, within a sixteenth of their step; a float head is
     never quantised), beside quantised bf16 layers on the CPU, and where it times faster

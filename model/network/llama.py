@@ -1,5 +1,5 @@
 """The network every supported family shares: embeddings, decoder layers
-(model/decoder_layer.py), final norm and output projection (or, for an embedder, the final
+(model/network/decoder_layer.py), final norm and output projection (or, for an embedder, the final
 hidden states), over one flat `Batch` and a paged cache. A pure function of tensors: it
 knows nothing of requests, sampling or block allocation. `load_weights` takes HF-named
 tensors in the HF (rotate-halves) RoPE layout and fills the fused ones.
@@ -14,21 +14,26 @@ from torch import nn
 
 from model.attention.base import AttentionBackend
 from model.attention.torch_ref import TorchRefBackend
-from model.batch import Batch
+from model.checkpoint.file_blocks import FileBlocks
 from model.config import ModelConfig
-from model.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
-from model.int6_linear import Int6Linear
-from model.int8_group_linear import Int8GroupLinear
-from model.meta_init import materialise, skeleton
-from model.paged_cache import PagedKVCache
+from model.network.batch import Batch
+from model.network.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
+from model.network.meta_init import materialise, skeleton
+from model.network.paged_cache import PagedKVCache
+from model.network.rope import rotary_embeddings
+from model.network.weight_names import load_named_weights
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
-from model.quantized_linear import QuantizedLinear, quantized_linear
-from model.rope import rotary_embeddings
-from model.weights.file_blocks import FileBlocks
+from model.plan.kernel_plan import KernelPlan
+from model.quant.base import QuantizedLinear
+from model.quant.factory import quantized_linear
+from model.quant.int6 import Int6Linear
+from model.quant.int8_group import Int8GroupLinear
 
 # Linear layers ('layers.3.down_proj') in another quantization than the model's.
 LayerQuantizations = Mapping[str, str]
+# The kernel plan's int4 kernel per (int4 or w4a8, in, out) (model/plan/int4_kernel.py).
+Int4Kernels = Mapping[tuple[str, int, int], str]
 
 
 class Llama(nn.Module):
@@ -49,6 +54,8 @@ class Llama(nn.Module):
         self.vocab_rows = tp.vocab_rows(config.vocab_size) if tp else (0, config.vocab_size)
         vocab_rows = self.vocab_rows[1] - self.vocab_rows[0]
         self.attention = attention or TorchRefBackend()
+        # What the model runs on, set with its kernels (model/plan/kernel_plan.py).
+        self.kernel_plan: KernelPlan | None = None
         # Rank 0 of a tensor-parallel group broadcasts each step here (model/parallel/steps.py).
         self.before_forward: Callable[[Batch, PagedKVCache], None] | None = None
         self.embed_tokens = nn.Embedding(vocab_rows, config.dim)
@@ -96,21 +103,27 @@ class Llama(nn.Module):
         return sum(layer.use_native() for layer in self.layers)
 
     def quantize_linears(
-        self, quantization: str, layer_quantizations: LayerQuantizations | None = None
+        self,
+        quantization: str,
+        layer_quantizations: LayerQuantizations | None = None,
+        int4_kernels: Int4Kernels | None = None,
     ) -> None:
         """Swaps every decoder linear layer for an empty quantised one before loading, so
         weights stream straight into the quantised form (each layer named in
         `layer_quantizations` into its own). The output projection keeps the model dtype: 4
         bits cost the most there (GGUF files keep it at 8 bits or more), and a tied one
-        shares the embedding."""
+        shares the embedding. int4 layers run on `int4_kernels`' choice for their shape
+        (none: PyTorch's)."""
         layer_quantizations = layer_quantizations or {}
+        int4_kernels = int4_kernels or {}
         for index, owner in enumerate(self.layers):
             for name, child in list(owner.named_children()):
                 if isinstance(child, nn.Linear):
                     key = f"layers.{index}.{name}"
                     own = layer_quantizations.get(key, quantization)
                     shape = (child.in_features, child.out_features)
-                    setattr(owner, name, quantized_linear(own, *shape, "meta"))
+                    kernel = int4_kernels.get((own, *shape))
+                    setattr(owner, name, quantized_linear(own, *shape, "meta", kernel))
 
     def quantize_head(self, int6: bool = False) -> None:
         """Swaps the output projection for an empty grouped-int8 one (or an int6 one, for a
@@ -142,16 +155,17 @@ class Llama(nn.Module):
         head_int8: bool = False,
         head_int6: bool = False,
         layer_quantizations: LayerQuantizations | None = None,
+        int4_kernels: Int4Kernels | None = None,
     ) -> Llama:
         """A model with uninitialised weights: random init of a model about to be loaded
         costs seconds for nothing. With `quantization`, the linear layers are quantised
         ones, filled as the weights load (`layer_quantizations`' layers in their own); with
-        `head_int8`, the output projection too (grouped int8, model/quantized_linear.py, or
-        with `head_int6` int6, model/int6_linear.py)."""
+        `head_int8`, the output projection too (grouped int8, model/quant/, or
+        with `head_int6` int6, model/quant/int6.py)."""
         with skeleton():
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None:
-                model.quantize_linears(quantization, layer_quantizations)
+                model.quantize_linears(quantization, layer_quantizations, int4_kernels)
             if head_int8:
                 model.quantize_head(head_int6)
         # The dtype is set while the tensors are still shapes: materialising in fp32 and
@@ -231,69 +245,5 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | FileBlocks]]) -> None:
-        """Copies HF-named tensors into the (fused) parameters; every parameter must be
-        filled exactly once, or loading fails naming what is missing. A tensor may come
-        as consecutive blocks of its rows under one name, or still in a GGUF file's blocks."""
-        c = self.config
-        # HF name suffix -> (our parameter suffix, row offset into the fused weight)
-        fused = {
-            "self_attn.q_proj": ("qkv_proj", 0),
-            "self_attn.k_proj": ("qkv_proj", c.q_size),
-            "self_attn.v_proj": ("qkv_proj", c.q_size + c.kv_size),
-            "self_attn.o_proj": ("o_proj", 0),
-            "mlp.gate_proj": ("gate_up_proj", 0),
-            "mlp.up_proj": ("gate_up_proj", c.ffn_dim),
-            "mlp.down_proj": ("down_proj", 0),
-        }
-        params = dict(self.named_parameters())
-        quantized = self.quantized_modules()
-        expected = {f"{n}@0" for n in params if "proj" not in n and "qkv_bias" not in n}
-        expected.add("lm_head.weight@0")
-        for i in range(c.n_layers):
-            expected |= {f"layers.{i}.{ours}.weight@{row}" for ours, row in fused.values()}
-            if c.qkv_bias:
-                expected |= {
-                    f"layers.{i}.qkv_bias@{row}" for row in (0, c.q_size, c.q_size + c.kv_size)
-                }
-        if c.tie_embeddings:
-            expected.discard("lm_head.weight@0")
-        seen: set[str] = set()
-        rows_in: dict[str, int] = {}  # a tensor that comes in blocks of rows: rows so far
-        for hf_name, tensor in weights:
-            name = hf_name.removeprefix("model.")
-            if name == "lm_head.weight" and c.tie_embeddings:
-                continue  # some tied checkpoints still store a copy
-            block_row = rows_in.get(hf_name, 0)
-            rows_in[hf_name] = block_row + (tensor.shape[0] if len(tensor.shape) > 1 else 1)
-            row = 0
-            for hf_part, (ours, offset) in fused.items():
-                if f".{hf_part}." in name:
-                    name, row = name.replace(hf_part, ours), offset
-                    break
-            name = name.replace("qkv_proj.bias", "qkv_bias")
-            name = name.replace("self_attn.q_norm", "q_norm").replace("self_attn.k_norm", "k_norm")
-            key = f"{name}@{row}"
-            row += block_row
-            if key not in expected:
-                raise ValueError(f"unexpected weight {hf_name} with shape {tuple(tensor.shape)}")
-            seen.add(key)
-            if name == "embed_tokens.weight" and c.tie_embeddings and "lm_head.weight" in quantized:
-                quantized["lm_head.weight"].load_rows(row, tensor)  # tied: quantised from it
-                if self.embed_from_head:
-                    continue
-            if name in quantized:
-                quantized[name].load_rows(row, tensor)
-                continue
-            if isinstance(tensor, FileBlocks):  # only quantised layers read blocks
-                tensor = tensor.dequantize()
-            dest = params[name][row : row + tensor.shape[0]]  # fused rows, or all of it
-            if dest.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {hf_name} has shape {tuple(tensor.shape)}, "
-                    f"expected {tuple(dest.shape)}"
-                )
-            dest.copy_(tensor)
-        missing = expected - seen
-        if missing:
-            names = sorted(m.split("@")[0] for m in missing)
-            raise ValueError(f"checkpoint lacks {len(missing)} weights, e.g. {names[:3]}")
+        """Copies HF-named tensors into the (fused) parameters (model/network/weight_names.py)."""
+        load_named_weights(self, weights)

@@ -5,7 +5,7 @@ A vocabulary of 152k rows is most of a small model: Qwen2.5-0.5B's embedding hel
 bf16, more than all its decoder layers in int8, while a step reads only its tokens' rows.
 Here the table is the file's own bytes, memory-mapped as llama.cpp maps them: only the
 pages of rows ever looked up become resident, and a row comes out exactly as dequantising
-the whole table would have given it (model/weights/dequant.py). The file must not change
+the whole table would have given it (model/checkpoint/dequant.py). The file must not change
 while the model runs.
 """
 
@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
-from model.weights.dequant import dequantize
+from model.checkpoint.dequant import dequantize
 
 
 class PackedEmbedding(nn.Module):

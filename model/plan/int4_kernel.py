@@ -10,8 +10,9 @@ each row's activations to 8 bits in groups of 32. Elsewhere (an AVX2-only CPU ge
 bf16 kernel's AVX2 loop and the int8 one's portable loop, other CPUs portable loops, a
 machine without a compiler neither) the order may differ, so it is timed, not assumed.
 `--quantization int4` (weight-only) chooses between the two with bf16 activations, `w4a8`
-takes the int8 one. One kernel serves a shape at every batch
-size: a row's result must not depend on how many rows share its step.
+takes the int8 one. One kernel serves a shape at every batch size: a row's result must
+not depend on how many rows share its step. The layer (model/quant/int4.py) is handed the
+choice when it is built.
 """
 
 from __future__ import annotations
@@ -25,15 +26,46 @@ import torch
 from model.errors import UnsupportedFormatError
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt4Matmul, native_int4_matmul
-from model.timing import best_ms
-from model.tuning import remembered
+from model.plan.mode import check_quantization
+from model.plan.timing import best_ms
+from model.plan.tuning import remembered
+from model.quant.int4 import (
+    BF16_ACTIVATION_KERNELS,
+    INT4_KERNELS,
+    NATIVE_INT4_KERNELS,
+    W4A8_KERNELS,
+)
 
 logger = logging.getLogger(__name__)
 
-NATIVE_INT4_KERNELS = ("native", "native_a8")
-INT4_KERNELS = (*NATIVE_INT4_KERNELS, "torch")
-BF16_ACTIVATION_KERNELS = ("native", "torch")
 MEASURED_ROWS = (1, 8, 32)
+# The kernels each int4 format may run on: weight-only int4 keeps bf16 activations.
+FORMAT_KERNELS = {"int4": BF16_ACTIVATION_KERNELS, "w4a8": W4A8_KERNELS}
+
+
+def int4_format_kernel(
+    mode: str, quantization: str, in_features: int, out_features: int, device: torch.device
+) -> str | None:
+    """The kernel of an int4 or w4a8 layer of this shape, None for the other formats."""
+    allowed = FORMAT_KERNELS.get(quantization)
+    if allowed is None:
+        return None
+    return int4_kernel_for(mode, in_features, out_features, device, allowed)
+
+
+def int4_kernel_for(
+    mode: str, in_features: int, out_features: int, device: torch.device, allowed: tuple[str, ...]
+) -> str:
+    """The kernel an int4 layer of this shape runs on under `--cpu-kernels mode`."""
+    if device.type != "cpu":
+        return "torch"
+    if mode == "torch":
+        if "torch" not in allowed:
+            check_quantization(mode, "w4a8")
+        return "torch"
+    if mode == "native":  # check_mode made sure the library builds
+        return next(k for k in allowed if k in NATIVE_INT4_KERNELS)
+    return choose_int4_kernel(in_features, out_features, device, allowed)
 
 
 def choose_int4_kernel(

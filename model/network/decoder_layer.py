@@ -4,7 +4,7 @@ sliding window where it sets one) and the gated FFN (SwiGLU, or Gemma's GELU-tan
 with a residual add (normalised first in Gemma 3).
 
 A pure function of tensors and one layer's paged cache; Q/K/V and gate/up are fused into
-one matmul each (fewer, larger GEMMs). `Llama` (model/llama.py) stacks these.
+one matmul each (fewer, larger GEMMs). `Llama` (model/network/llama.py) stacks these.
 """
 
 from __future__ import annotations
@@ -17,12 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.attention.base import AttentionBackend
-from model.batch import Batch
 from model.config import ModelConfig
-from model.int4_kernel import NATIVE_INT4_KERNELS
-from model.int5_linear import Int5Linear
-from model.int6_linear import Int6Linear
-from model.int8_group_linear import Int8GroupLinear
 from model.native.layer import (
     INT4,
     INT4_A8,
@@ -33,8 +28,12 @@ from model.native.layer import (
     NativeDecoderLayer,
     NativeWeight,
 )
-from model.quantized_linear import Int4Linear
-from model.rope import apply_rope
+from model.network.batch import Batch
+from model.network.rope import apply_rope
+from model.quant.int4 import NATIVE_INT4_KERNELS, Int4Linear
+from model.quant.int5 import Int5Linear
+from model.quant.int6 import Int6Linear
+from model.quant.int8_group import Int8GroupLinear
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]
 RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]

@@ -23,14 +23,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model import cpu_kernels
 from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
 from model.native.build import NativeUnavailable
 from model.native.ops import native_int4_matmul
-from model.quantized_linear import INT4_GROUP, QUANTIZATIONS, quantized_linear
-from model.timing import best_ms
-from model.tuning import config_key, remembered
+from model.plan.int4_kernel import int4_format_kernel
+from model.plan.mode import NATIVE_ONLY_QUANTIZATIONS, allows_native, check_quantization
+from model.plan.timing import best_ms
+from model.plan.tuning import config_key, remembered
+from model.quant.base import INT4_GROUP, QUANTIZATIONS
+from model.quant.factory import quantized_linear
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ def candidate_formats(
     device: torch.device,
     batch_invariant: bool = False,
     some_4_bit: bool = False,
+    mode: str = "auto",
 ) -> list[WeightFormat]:
     """The formats the flags allow. checkpoint_bits: the widest of the linear weights'
     quantised types (4 for a Q4 GGUF), or None for float weights; `some_4_bit`: some
@@ -85,7 +88,7 @@ def candidate_formats(
             raise UnsupportedFormatError(
                 "--batch-invariant keeps activations in float32; w4a8 rounds them to int8"
             )
-        formats = candidate_formats("float32", quantization, checkpoint_bits, device)
+        formats = candidate_formats("float32", quantization, checkpoint_bits, device, mode=mode)
         if quantization == "auto" and device.type == "cpu" and (checkpoint_bits or 16) <= 4:
             formats.append(WeightFormat(torch.float32, "int4"))
         elif quantization in QUANTIZATIONS:
@@ -97,7 +100,7 @@ def candidate_formats(
             raise UnsupportedFormatError(f"--quantization {quant} runs on the CPU only")
         if quant == "w4a8" and some_4_bit and (checkpoint_bits or 4) > 4:
             # A Q4_K_M file's wider layers keep their own precision (Q5_0 ones run as
-            # w5a8: model/layer_formats.py) rather than being rounded to 4 bits.
+            # w5a8: model/plan/layer_formats.py) rather than being rounded to 4 bits.
             return [WeightFormat(torch.bfloat16, quant, wide="int8g")]
         if dtype != "auto":
             return [WeightFormat(DTYPES[dtype], quant)]
@@ -120,10 +123,10 @@ def candidate_formats(
     # of Q4_K, Q5_0 and Q6_K layers runs in when timing prefers it to bf16.
     # A file mixing 4-bit layers with wider ones (Q4_K_M) may run each in its own: int4
     # where it is exact, grouped int8 elsewhere; where int8 activations are timed (AVX2),
-    # w4a8 too, its Q5_0 layers then in w5a8 (model/layer_formats.py).
+    # w4a8 too, its Q5_0 layers then in w5a8 (model/plan/layer_formats.py).
     if checkpoint_bits <= 4:
         int4 = [WeightFormat(torch.bfloat16, "int4")]
-        if int8_activations_in_auto():
+        if int8_activations_in_auto(mode):
             int4.append(WeightFormat(torch.bfloat16, "w4a8"))
         return [*floats, *int4]
     if checkpoint_bits <= 8:
@@ -131,20 +134,20 @@ def candidate_formats(
         if not some_4_bit:
             return [*floats, int8g]
         mixed = [WeightFormat(torch.bfloat16, "int4", wide="int8g")]
-        if int8_activations_in_auto():
+        if int8_activations_in_auto(mode):
             mixed.append(WeightFormat(torch.bfloat16, "w4a8", wide="int8g"))
         return [*floats, int8g, *mixed]
     return floats
 
 
-def int8_activations_in_auto() -> bool:
+def int8_activations_in_auto(mode: str) -> bool:
     """Whether `auto` also times w4a8 on a 4-bit checkpoint: where this CPU's int4 kernel
     has no bf16 products (no AVX-512 BF16: an AVX2-only CPU widens every weight to fp32),
     and int8 ones are what is left, as llama.cpp takes there. There it is several times
     faster (a one-row `[8192 x 2048]` product 0.14 against 0.84 ms, AVX2 build) at the
     accuracy llama-server has on the same file; with AVX-512 BF16 the gain is 1.1-1.7x
     and the bf16 activations stay."""
-    if not cpu_kernels.allows_native():
+    if not allows_native(mode):
         return False  # w4a8 runs on the C kernels only
     try:
         return native_int4_matmul("native").kind != "avx512_bf16"
@@ -172,11 +175,14 @@ def int4_fits(config: ModelConfig) -> bool:
     return all(i % INT4_GROUP == 0 and o % 16 == 0 for i, o in _linear_shapes(config))
 
 
-def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) -> float:
+def layer_step_ms(
+    config: ModelConfig, fmt: WeightFormat, device: torch.device, mode: str = "auto"
+) -> float:
     """Milliseconds the linear layers of one forward take in `fmt`, over a few batch sizes
     (geometric mean): one decoder layer's four shapes, times the number of layers, plus
     the output projection. A format with `wide` layers is timed as if all were in its
-    `quantization`: what it asks is whether int4 beats grouped int8 here at all."""
+    `quantization`: what it asks is whether int4 beats grouped int8 here at all. int4
+    layers run on the kernel `mode` gives their shape."""
     shapes = _linear_shapes(config)
     layers: list[Callable[[torch.Tensor], torch.Tensor]] = []
     for in_features, out_features in shapes:
@@ -186,7 +192,13 @@ def layer_step_ms(config: ModelConfig, fmt: WeightFormat, device: torch.device) 
             linear.weight.data = weight.to(fmt.dtype)
             layers.append(linear)
         else:
-            module = quantized_linear(fmt.quantization, in_features, out_features, device)
+            module = quantized_linear(
+                fmt.quantization,
+                in_features,
+                out_features,
+                device,
+                int4_format_kernel(mode, fmt.quantization, in_features, out_features, device),
+            )
             module.load_rows(0, weight)
             layers.append(module)
     # An eighth of the output projection, timed and scaled: its cost is linear in the rows,
@@ -246,15 +258,16 @@ def resolve_weight_format(
     checkpoint_bits: int | None,
     batch_invariant: bool = False,
     some_4_bit: bool = False,
+    mode: str = "auto",
 ) -> WeightFormat:
     candidates = candidate_formats(
-        dtype, quantization, checkpoint_bits, device, batch_invariant, some_4_bit
+        dtype, quantization, checkpoint_bits, device, batch_invariant, some_4_bit, mode
     )
-    if device.type == "cpu" and not cpu_kernels.allows_native():
+    if device.type == "cpu" and not allows_native(mode):
         # int8g and w4a8 run on the C kernels alone: asked for, one sentence; else left out.
         if len(candidates) == 1:
-            cpu_kernels.check_quantization(candidates[0].quantization)
-        native_only = cpu_kernels.NATIVE_ONLY_QUANTIZATIONS
+            check_quantization(mode, candidates[0].quantization)
+        native_only = NATIVE_ONLY_QUANTIZATIONS
         candidates = [c for c in candidates if c.quantization not in native_only and c.wide is None]
     if not int4_fits(config):
         int4 = ("int4", "w4a8", "int8g")  # the same groups of 32
@@ -270,9 +283,9 @@ def resolve_weight_format(
             "config": config_key(config),
             "format": fmt.describe(),
             "device": str(device),
-            "cpu_kernels": cpu_kernels.mode(),
+            "cpu_kernels": mode,
         }
-        return remembered("linear_layers_ms", key, lambda: layer_step_ms(config, fmt, device))
+        return remembered("linear_layers_ms", key, lambda: layer_step_ms(config, fmt, device, mode))
 
     with torch.inference_mode():
         return choose_weight_format(candidates, timer)

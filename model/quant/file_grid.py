@@ -1,8 +1,8 @@
 """Where a group of 32 weights read from a GGUF file already lies on a 4-bit grid, so it
-requantises into int4 (model/quantized_linear.py) without loss, and sorting groups fast
+requantises into int4 (model/quant/int4.py) without loss, and sorting groups fast
 enough for loading a 1.5B model's worth of them. Only for values that arrive dequantised
 (a tensor-parallel rank's slices): on one process a layer reads the grid from the file's
-blocks (model/weights/file_blocks.py)."""
+blocks (model/checkpoint/file_blocks.py)."""
 
 from __future__ import annotations
 

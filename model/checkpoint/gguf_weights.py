@@ -15,12 +15,12 @@ from math import prod
 import torch
 from gguf import GGMLQuantizationType
 
+from model.checkpoint.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
+from model.checkpoint.file_blocks import FileBlocks
+from model.checkpoint.gguf_file import GGUFFile, GGUFTensor
 from model.config import ModelConfig
 from model.errors import ModelFileError
 from model.families import FAMILIES
-from model.weights.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
-from model.weights.file_blocks import FileBlocks
-from model.weights.gguf_file import GGUFFile, GGUFTensor
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -167,7 +167,7 @@ def linear_weight_bits(gguf: GGUFFile) -> int | None:
     return max(bits)
 
 
-# The fused linear layer each GGUF matrix loads into (model/llama.py).
+# The fused linear layer each GGUF matrix loads into (model/network/llama.py).
 _FUSED_INTO = {
     "attn_q": "qkv_proj", "attn_k": "qkv_proj", "attn_v": "qkv_proj",
     "attn_output": "o_proj", "ffn_gate": "gate_up_proj", "ffn_up": "gate_up_proj",
@@ -199,7 +199,7 @@ def wide_linears(gguf: GGUFFile, bits: int = 4) -> frozenset[str]:
 
 def linears_all_in(gguf: GGUFFile, block_type: str) -> frozenset[str]:
     """Our linear layers whose every matrix is stored in `block_type`: Q5_0, which int5
-    holds exactly (model/int5_linear.py), or Q6_K, which int6 does (model/int6_linear.py)."""
+    holds exactly (model/quant/int5.py), or Q6_K, which int6 does (model/quant/int6.py)."""
     return frozenset(key for key, types in _linear_types(gguf).items() if types == {block_type})
 
 

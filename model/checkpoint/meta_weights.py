@@ -17,9 +17,9 @@ from typing import Any
 
 import torch
 
+from model.checkpoint.gguf_weights import interleaved_to_halves
 from model.config import ModelConfig
 from model.errors import ModelFileError, UnsupportedModelError
-from model.weights.gguf import interleaved_to_halves
 
 # Meta name -> (HF name, dimension the model-parallel ranks split; None: replicated).
 _GLOBAL_NAMES = {

@@ -1,6 +1,6 @@
 """Which decoder linear layers run in another format than the model's: a GGUF file that
 mixes block types (Q4_K_M: Q4_K, Q5_0, Q6_K, Q8_0) runs each layer in the narrowest format
-that holds its own type. The model's format (model/weight_format.py) covers the 4-bit
+that holds its own type. The model's format (model/plan/weight_format.py) covers the 4-bit
 layers; `wide` ones take its `wide` format; those whose every matrix is Q5_0 take int5,
 its own format in 5.5 bits a weight where grouped int8 takes 8.5, and those all Q6_K take
 int6 (6.625 bits), each where it times no slower beyond `NEAR_TIE` (fewer bytes are
@@ -9,20 +9,26 @@ certain, a small timing lead is not)."""
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
+from functools import partial
 
 import torch
 
-from model import cpu_kernels, weight_format
 from model.config import ModelConfig
-from model.int6_linear import SUPER_BLOCK as INT6_SUPER_BLOCK
-from model.int6_linear import int6_and_int8g_ms
-from model.tuning import config_key, remembered
-from model.weight_format import NEAR_TIE, WeightFormat, int4_fits
+from model.plan import weight_format
+from model.plan.mode import allows_native
+from model.plan.timing import best_ms
+from model.plan.tuning import config_key, remembered
+from model.plan.weight_format import MEASURED_BATCH_SIZES, NEAR_TIE, WeightFormat, int4_fits
+from model.quant.int6 import SUPER_BLOCK as INT6_SUPER_BLOCK
+from model.quant.int6 import Int6Linear, on_grid
+from model.quant.int8_group import Int8GroupLinear
 
 logger = logging.getLogger(__name__)
 
-LINEARS_PER_LAYER = 4  # fused Q/K/V, O, fused gate/up, down
+LINEAR_NAMES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # Q/K/V and gate/up fused
+LINEARS_PER_LAYER = len(LINEAR_NAMES)
 INT8G, INT5 = WeightFormat(torch.bfloat16, "int8g"), WeightFormat(torch.bfloat16, "int5")
 INT6 = WeightFormat(torch.bfloat16, "int6")
 
@@ -35,6 +41,7 @@ def layer_quantizations(
     q5_0: frozenset[str],
     chosen: bool = True,
     q6_k: frozenset[str] = frozenset(),
+    mode: str = "auto",
 ) -> dict[str, str]:
     """The layers ('layers.3.down_proj') whose quantization is not `fmt.quantization`,
     with their own; `wide`: those stored in more than 4 bits, `q5_0` and `q6_k`: those all
@@ -42,7 +49,7 @@ def layer_quantizations(
     name is kept, but for w4a8's wider layers). In w4a8 Q5_0 layers take w5a8: their own
     format, with the model's int8 activations."""
     own = dict.fromkeys(wide, fmt.wide) if fmt.wide else {}
-    native = device.type == "cpu" and cpu_kernels.allows_native()
+    native = device.type == "cpu" and allows_native(mode)
     int8_activations = fmt.quantization == "w4a8" and fmt.wide is not None
     if not ((chosen or int8_activations) and native and int4_fits(config)):
         return own
@@ -88,7 +95,7 @@ def int5_pays(config: ModelConfig, device: torch.device) -> bool:
 def int6_pays(in_features: int, out_features: int, logits: bool = False) -> bool:
     """Whether Q6_K layers of this shape (or the output projection, `logits`) run in int6
     rather than grouped int8: fewer bytes, but more work to unpack them, so timed once
-    per shape and machine (model/int6_linear.py)."""
+    per shape and machine (model/quant/int6.py, `int6_and_int8g_ms`)."""
     key = {"shape": [out_features, in_features], "logits": logits}
     with torch.inference_mode():
         int6_ms, int8g_ms = remembered(
@@ -132,9 +139,33 @@ def describe(fmt: WeightFormat, layer_quantizations: dict[str, str], n_layers: i
 
 def _shape(config: ModelConfig, key: str) -> tuple[int, int]:
     """(in, out) of a layer named 'layers.3.down_proj'."""
+    return layer_shape(config, key.rsplit(".", 1)[1])
+
+
+def layer_shape(config: ModelConfig, name: str) -> tuple[int, int]:
+    """(in, out) of a decoder layer's linear layer `name` ('down_proj')."""
     return {
         "qkv_proj": (config.dim, config.q_size + 2 * config.kv_size),
         "o_proj": (config.q_size, config.dim),
         "gate_up_proj": (config.dim, 2 * config.ffn_dim),
         "down_proj": (config.ffn_dim, config.dim),
-    }[key.rsplit(".", 1)[1]]
+    }[name]
+
+
+def int6_and_int8g_ms(in_features: int, out_features: int, logits: bool) -> tuple[float, float]:
+    """Milliseconds of one product in int6 and in grouped int8 (geometric mean over the
+    batch sizes the weight format is chosen on), on at most 8192 of the output columns:
+    the output projection's cost is linear in them."""
+    rows = min(out_features, 8192)
+    weight = on_grid(rows, in_features, torch.Generator().manual_seed(0))
+    int6 = Int6Linear(in_features, rows, "cpu", logits=logits)
+    int8g = Int8GroupLinear(in_features, rows, "cpu", fp32_output=logits)
+    logs = [0.0, 0.0]
+    for module in (int6, int8g):
+        module.load_rows(0, weight)
+    for batch in MEASURED_BATCH_SIZES:
+        x = torch.randn(batch, in_features).bfloat16()
+        for i, module in enumerate((int6, int8g)):
+            logs[i] += math.log(best_ms(partial(module, x)))
+    n = len(MEASURED_BATCH_SIZES)
+    return math.exp(logs[0] / n), math.exp(logs[1] / n)

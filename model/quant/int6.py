@@ -11,19 +11,15 @@ has them.
 from __future__ import annotations
 
 import logging
-import math
-from functools import partial
 
 import torch
 from gguf import GGMLQuantizationType
 
+from model.checkpoint.dequant import q6_k_grid
+from model.checkpoint.file_blocks import FileBlocks
 from model.errors import UnsupportedFormatError
-from model.int8_group_linear import Int8GroupLinear
 from model.native.ops import NativeInt6Logits, NativeInt6Matmul, int6_grid
-from model.quantized_linear import QuantizedLinear
-from model.timing import best_ms
-from model.weights.dequant import q6_k_grid
-from model.weights.file_blocks import FileBlocks
+from model.quant.base import QuantizedLinear
 
 logger = logging.getLogger(__name__)
 
@@ -171,24 +167,3 @@ def on_grid(out_features: int, in_features: int, generator: torch.Generator) -> 
     d = d.half().float()  # as Q6_K stores it: d c is then exact in fp32
     scale = (d.repeat_interleave(SUPER_BLOCK // 16, dim=1) * c).repeat_interleave(16, dim=1)
     return (q - 32) * scale
-
-
-def int6_and_int8g_ms(in_features: int, out_features: int, logits: bool) -> tuple[float, float]:
-    """Milliseconds of one product in int6 and in grouped int8 (geometric mean over the
-    batch sizes the weight format is chosen on), on at most 8192 of the output columns:
-    the output projection's cost is linear in them."""
-    from model.weight_format import MEASURED_BATCH_SIZES  # it imports the layer modules
-
-    rows = min(out_features, 8192)
-    weight = on_grid(rows, in_features, torch.Generator().manual_seed(0))
-    int6 = Int6Linear(in_features, rows, "cpu", logits=logits)
-    int8g = Int8GroupLinear(in_features, rows, "cpu", fp32_output=logits)
-    logs = [0.0, 0.0]
-    for module in (int6, int8g):
-        module.load_rows(0, weight)
-    for batch in MEASURED_BATCH_SIZES:
-        x = torch.randn(batch, in_features).bfloat16()
-        for i, module in enumerate((int6, int8g)):
-            logs[i] += math.log(best_ms(partial(module, x)))
-    n = len(MEASURED_BATCH_SIZES)
-    return math.exp(logs[0] / n), math.exp(logs[1] / n)

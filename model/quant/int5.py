@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from model.checkpoint.dequant import q5_0_grid
+from model.checkpoint.file_blocks import FileBlocks
 from model.errors import UnsupportedFormatError
-from model.file_grid import sorted_groups
 from model.native.ops import NativeInt5A8Matmul, NativeInt5Matmul
-from model.quantized_linear import INT4_GROUP, QuantizedLinear, fp16_scales
-from model.weights.dequant import q5_0_grid
-from model.weights.file_blocks import FileBlocks
+from model.quant.base import INT4_GROUP, QuantizedLinear, fp16_scales
+from model.quant.file_grid import sorted_groups
 
 LEVELS = 16  # q - 16 spans -16..15
 ON_GRID = 1e-3  # how far from an integer a weight over its step may lie to count as on it

@@ -8,11 +8,11 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
+from model.checkpoint.dequant import q8_0_grid
+from model.checkpoint.file_blocks import FileBlocks
 from model.errors import UnsupportedFormatError
 from model.native.ops import NativeInt8Matmul
-from model.quantized_linear import INT4_GROUP, QuantizedLinear, fp16_scales
-from model.weights.dequant import q8_0_grid
-from model.weights.file_blocks import FileBlocks
+from model.quant.base import INT4_GROUP, QuantizedLinear, fp16_scales
 
 
 class Int8GroupLinear(QuantizedLinear):

@@ -153,7 +153,7 @@ def _decode_q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 # The grids below are the integers and scales of the block types a quantised layer holds
-# as they are (model/weights/file_blocks.py): the decoders above are these times their
+# as they are (model/checkpoint/file_blocks.py): the decoders above are these times their
 # scales.
 
 

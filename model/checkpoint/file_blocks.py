@@ -1,7 +1,7 @@
 """Rows of a GGUF matrix still in the file's quantisation blocks, handed to a quantised
 layer that holds their block type as it is: int4 a Q4_0, Q4_1 or Q4_K block (a scale and a
 minimum per group of 32), int5 a Q5_0 one, int6 a Q6_K one, grouped int8 a Q8_0 one. Such a
-layer reads the integers and scales from the bytes (`model/weights/dequant.py`'s grids)
+layer reads the integers and scales from the bytes (`model/checkpoint/dequant.py`'s grids)
 instead of finding them again in dequantised floats: searching float32 copies for the
 grids the file states was about half of the 21-22 s Qwen2.5-Coder-1.5B's Q4_K_M took to
 load. Any other
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from model.weights.dequant import dequantize
+from model.checkpoint.dequant import dequantize
 
 T = GGMLQuantizationType
 # The block types some quantised layer holds as they are.

@@ -1,0 +1,1 @@
+"""What this process runs (model/plan/kernel_plan.py), decided once at start-up."""

@@ -1,0 +1,129 @@
+"""Builds the kernel plan (model/plan/kernel_plan.py) once, before any weight is read, from
+what the checkpoint says of its weights, the model's shapes, the flags and the device. Every
+choice that times this machine is made here, in this order: the weight format, the output
+projection, the layers that run in their own format, the int4 kernel of each shape, the
+attention backend and the argmax."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from model.config import ModelConfig
+from model.plan.head_format import head_int8
+from model.plan.int4_kernel import int4_format_kernel
+from model.plan.kernel_plan import Int4Kernels, KernelPlan, attention_name, native_argmax_available
+from model.plan.layer_formats import LINEAR_NAMES, head_in_int6, layer_quantizations, layer_shape
+from model.plan.mode import check_mode, check_quantization
+from model.plan.weight_format import WeightFormat, resolve_weight_format
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    """What the checkpoint says of its weights, read before any of them (model/checkpoint/
+    base.py); the defaults are a model of float weights (random ones, a safetensors one)."""
+
+    checkpoint_bits: int | None = None  # the widest quantised linear type, None: float
+    wide_linears: frozenset[str] = frozenset()  # stored in more than 4 bits
+    q5_0_linears: frozenset[str] = frozenset()
+    q6_k_linears: frozenset[str] = frozenset()
+    head_quantized: bool = False
+    head_block_type: str | None = None
+
+
+@dataclass(frozen=True)
+class PlanFlags:
+    """The flags the plan follows (`load_model`'s arguments)."""
+
+    dtype: torch.dtype | str = torch.float32
+    quantization: str | None = None
+    batch_invariant: bool = False
+    attention_backend: str = "auto"
+    cpu_kernels: str = "auto"
+    quantized_head: bool = True  # False under tensor parallelism: the head stays in dtype
+    facts: CheckpointFacts = field(default_factory=CheckpointFacts)
+
+
+def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> KernelPlan:
+    mode = check_mode(flags.cpu_kernels)
+    facts, dev = flags.facts, torch.device(device)
+    fmt = weight_format_for(
+        flags.dtype,
+        flags.quantization,
+        config,
+        device,
+        facts.checkpoint_bits,
+        flags.batch_invariant,
+        some_4_bit=len(facts.wide_linears) < 4 * config.n_layers,
+        mode=mode,
+    )
+    head = None
+    if flags.quantized_head and head_int8(mode, config, fmt, facts.head_quantized, dev):
+        head = "int6" if head_in_int6(config, facts.head_block_type) else "int8"
+    own = layer_quantizations(
+        fmt,
+        config,
+        dev,
+        facts.wide_linears,
+        facts.q5_0_linears,
+        flags.quantization == "auto",
+        facts.q6_k_linears,
+        mode,
+    )
+    return KernelPlan(
+        mode=mode,
+        device=device,
+        weight_format=fmt,
+        n_layers=config.n_layers,
+        layer_quantizations=own,
+        head=head,
+        int4_kernels=int4_kernels(mode, config, fmt, own, dev),
+        attention=attention_name(mode, flags.attention_backend, device),
+        argmax=mode != "torch" and native_argmax_available(),
+    )
+
+
+def int4_kernels(
+    mode: str, config: ModelConfig, fmt: WeightFormat, own: dict[str, str], device: torch.device
+) -> Int4Kernels:
+    """The kernel of each int4 and w4a8 layer shape the model holds, every shape being
+    known from its config."""
+    kernels: Int4Kernels = {}
+    for index in range(config.n_layers):
+        for name in LINEAR_NAMES:
+            quantization = own.get(f"layers.{index}.{name}", fmt.quantization)
+            shape = layer_shape(config, name)
+            if (quantization, *shape) not in kernels:
+                kernel = int4_format_kernel(mode, quantization, *shape, device)
+                if kernel is not None:
+                    kernels[(quantization, *shape)] = kernel
+    return kernels
+
+
+def weight_format_for(
+    dtype: torch.dtype | str,
+    quantization: str | None,
+    config: ModelConfig,
+    device: str,
+    checkpoint_bits: int | None,
+    batch_invariant: bool = False,
+    some_4_bit: bool = False,
+    mode: str = "auto",
+) -> WeightFormat:
+    """The weight format the flags name, or `auto`'s choice for this machine."""
+    if isinstance(dtype, torch.dtype) and quantization != "auto" and not batch_invariant:
+        if torch.device(device).type == "cpu":
+            check_quantization(mode, quantization)
+        return WeightFormat(dtype, quantization)
+    dtype_name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+    return resolve_weight_format(
+        config,
+        torch.device(device),
+        dtype_name,
+        quantization or "none",
+        checkpoint_bits,
+        batch_invariant,
+        some_4_bit,
+        mode,
+    )

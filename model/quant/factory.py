@@ -1,0 +1,45 @@
+"""The one place that turns a quantization's name into an empty layer of that format:
+the loader and the kernel plan's timings build layers here, so a format is added to the
+factory and its own module, and to nothing else."""
+
+from __future__ import annotations
+
+import torch
+
+from model.quant.base import QUANTIZATIONS, QuantizedLinear
+from model.quant.int4 import BF16_ACTIVATION_KERNELS, W4A8_KERNELS, Int4Linear
+from model.quant.int5 import Int5Linear
+from model.quant.int6 import Int6Linear
+from model.quant.int8 import Int8Linear
+from model.quant.int8_group import Int8GroupLinear
+
+
+def quantized_linear(
+    quantization: str,
+    in_features: int,
+    out_features: int,
+    device: torch.device | str,
+    int4_kernel: str | None = None,
+) -> QuantizedLinear:
+    """int4 is weight-only: the products take the activations in bf16. w4a8 is int4 on the
+        kernel that rounds them to int8 first (llama.cpp's arithmetic for a Q4 GGUF), faster
+        where the CPU has AVX-512 VNNI and less exact. int5 and int6 (GGUF Q5_0's and Q6_K's own
+        formats) are no choice of the flags: the loader takes them for Q5_0 and Q6_K layers
+        (LAYER_ONLY_QUANTIZATIONS), and w5a8 (int5 with int8 activations) for Q5_0 layers of a
+        model in w4a8. int4_kernel: the kernel an int4 or w4a8 layer runs on, the kernel plan's
+    choice for its shape (model/plan/int4_kernel.py)."""
+    if quantization == "int8":
+        return Int8Linear(in_features, out_features, device)
+    if quantization == "int8g":
+        return Int8GroupLinear(in_features, out_features, device, fp32_output=False)
+    if quantization in ("int5", "w5a8"):
+        return Int5Linear(in_features, out_features, device, quantization == "w5a8")
+    if quantization == "int6":
+        return Int6Linear(in_features, out_features, device)
+    if quantization == "int4":
+        return Int4Linear(
+            in_features, out_features, device, int4_kernel, allowed=BF16_ACTIVATION_KERNELS
+        )
+    if quantization == "w4a8":
+        return Int4Linear(in_features, out_features, device, int4_kernel, allowed=W4A8_KERNELS)
+    raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
