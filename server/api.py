@@ -19,6 +19,7 @@ from server.routes.chat_inputs import render_chat
 from server.routes.completions import create_completion
 from server.routes.embeddings import create_embedding
 from server.routes.engine_inputs import check_token_ids
+from server.routes.messages import add_messages_endpoints
 from server.routes.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -57,11 +58,14 @@ def build_app(
             return
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
-        offered = token.strip().encode()
+        # Anthropic's clients send the key in `x-api-key` rather than as a bearer token.
+        offered = [token.strip().encode()] if scheme.lower() == "bearer" else []
+        if "x-api-key" in request.headers:
+            offered.append(request.headers["x-api-key"].strip().encode())
         # Every key is compared, in constant time, so the answer's timing tells nothing
         # about which key came close.
-        matches = [hmac.compare_digest(offered, key) for key in keys]
-        if scheme.lower() != "bearer" or not any(matches):
+        matches = [hmac.compare_digest(given, key) for given in offered for key in keys]
+        if not any(matches):
             raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
     def check_model(model: str | None) -> None:
@@ -149,4 +153,5 @@ def build_app(
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     add_routing_endpoints(app, state, guarded, check_model)
+    add_messages_endpoints(app, state, guarded, check_generates)
     return app

@@ -1,0 +1,422 @@
+"""Anthropic's Messages API through the official `anthropic` SDK (an independent client)
+against a real server on the default model: greedy text equal to chat completions' for
+the same conversation, whole and streamed, stop sequences and max_tokens, forced tool
+calls whose input validates against its schema, a tool result answered, token counts equal
+to what generation reports, errors raised as the SDK's own classes, and a client that
+disconnects mid-stream freeing its KV blocks."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+
+import httpx
+import jsonschema
+import pytest
+
+from tests.live_server import engine_config, running_server
+
+anthropic = pytest.importorskip("anthropic")
+
+MAX_TOKENS = 12
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+SYSTEM = "You are a helpful assistant. Answer in one short sentence."
+WEATHER = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+    "required": ["city"],
+}
+TIME = {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}
+TOOLS = [
+    {"name": "get_weather", "description": "The weather in a city.", "input_schema": WEATHER},
+    {"name": "get_time", "description": "The time in a time zone.", "input_schema": TIME},
+]
+SCHEMAS = {tool["name"]: tool["input_schema"] for tool in TOOLS}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+# The SDK's `create` has no sampling fields (newer Claude models take none); the server
+# reads `temperature` all the same.
+GREEDY = {"temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def client(live_server):
+    with anthropic.Anthropic(
+        base_url=live_server.base_url, api_key="unused", max_retries=0, timeout=120
+    ) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def model(live_server) -> str:
+    return live_server.state.model_name
+
+
+def chat(live_server, messages: list[dict], **fields) -> dict:
+    r = httpx.post(
+        f"{live_server.v1}/chat/completions",
+        json={"messages": messages, "temperature": 0, **fields},
+        timeout=120,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def text_of(message) -> str:
+    return "".join(block.text for block in message.content if block.type == "text")
+
+
+def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
+    """(event name, data) of each SSE event; every event is named and has JSON data."""
+    events = []
+    for chunk in response.text.split("\n\n"):
+        if not chunk.strip():
+            continue
+        name, data = re.fullmatch(r"event: (\S+)\ndata: (.*)", chunk, re.S).groups()
+        payload = json.loads(data)
+        assert payload["type"] == name
+        events.append((name, payload))
+    return events
+
+
+# ---- text, whole and streamed ------------------------------------------------------------
+
+
+def test_greedy_text_equals_chat_completions(client, live_server, model):
+    message = client.messages.create(
+        model=model, system=SYSTEM, messages=QUESTION, max_tokens=MAX_TOKENS, extra_body=GREEDY
+    )
+    reference = chat(
+        live_server, [{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=MAX_TOKENS
+    )
+    choice = reference["choices"][0]
+    assert message.id.startswith("msg_") and message.type == "message"
+    assert message.role == "assistant" and message.model == model
+    assert text_of(message) == choice["message"]["content"] and text_of(message)
+    reasons = {"stop": "end_turn", "length": "max_tokens"}
+    assert message.stop_reason == reasons[choice["finish_reason"]]
+    assert message.stop_sequence is None
+    usage = message.usage
+    prompt = usage.input_tokens + usage.cache_read_input_tokens
+    assert prompt == reference["usage"]["prompt_tokens"]
+    assert usage.cache_creation_input_tokens == 0
+    assert usage.output_tokens == reference["usage"]["completion_tokens"]
+
+
+def test_stream_joins_to_the_same_text(client, model):
+    fields = dict(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, extra_body=GREEDY)
+    whole = client.messages.create(**fields)
+    with client.messages.stream(**fields) as stream:
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert text == text_of(whole) == text_of(final)
+    assert final.stop_reason == whole.stop_reason
+    assert final.usage.output_tokens == whole.usage.output_tokens
+    total = final.usage.input_tokens + final.usage.cache_read_input_tokens
+    assert total == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+
+
+def test_stream_events_come_in_anthropic_order(live_server, model):
+    # As Claude Code sends it: `?beta=true` and Anthropic's headers.
+    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "prompt-caching-2024-07-31"}
+    body = {"model": model, "messages": QUESTION, "max_tokens": MAX_TOKENS, "stream": True}
+    r = httpx.post(f"{live_server.v1}/messages?beta=true", json=body, headers=headers, timeout=120)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert "[DONE]" not in r.text
+    events = sse_events(r)
+    names = [name for name, _ in events]
+    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
+    assert events[0][1]["message"]["usage"]["input_tokens"] > 0
+    opened: set[int] = set()
+    for name, data in events:
+        if name == "content_block_start":
+            opened.add(data["index"])
+        elif name in ("content_block_delta", "content_block_stop"):
+            assert data["index"] in opened  # no delta before its block's start
+    delta = events[-2][1]
+    assert delta["delta"]["stop_reason"] in ("end_turn", "max_tokens")
+    assert delta["usage"]["output_tokens"] > 0
+
+
+def test_stop_sequence_is_named(client, model):
+    fields = dict(model=model, messages=QUESTION, extra_body=GREEDY)
+    text = text_of(client.messages.create(**fields, max_tokens=MAX_TOKENS))
+    words = text.split()
+    assert len(words) >= 3, text
+    sequence = " " + words[2]
+    expected = text[: text.index(sequence)]
+    message = client.messages.create(**fields, max_tokens=MAX_TOKENS, stop_sequences=[sequence])
+    assert message.stop_reason == "stop_sequence" and message.stop_sequence == sequence
+    assert text_of(message) == expected
+    with client.messages.stream(
+        **fields, max_tokens=MAX_TOKENS, stop_sequences=["zzz", sequence]
+    ) as s:
+        final = s.get_final_message()
+    assert final.stop_reason == "stop_sequence" and final.stop_sequence == sequence
+    assert text_of(final) == expected
+
+
+def test_max_tokens_is_the_stop_reason(client, model):
+    message = client.messages.create(model=model, messages=QUESTION, max_tokens=2)
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 2
+
+
+# ---- tools -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize(
+    "choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}], ids=["any", "named"]
+)
+def test_forced_tool_use_validates(client, model, choice, stream):
+    fields = dict(
+        model=model,
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice={**choice, "disable_parallel_tool_use": True},
+        max_tokens=60,
+        extra_body=GREEDY,
+    )
+    if stream:
+        with client.messages.stream(**fields) as s:
+            message = s.get_final_message()
+    else:
+        message = client.messages.create(**fields)
+    assert message.stop_reason == "tool_use"
+    assert message.content and all(block.type == "tool_use" for block in message.content)
+    for block in message.content:
+        assert block.id.startswith("toolu_")
+        assert block.name == choice.get("name", block.name) and block.name in SCHEMAS
+        jsonschema.validate(block.input, SCHEMAS[block.name])
+
+
+def test_tool_result_is_answered(client, live_server, model):
+    first = client.messages.create(
+        model=model,
+        messages=WEATHER_QUESTION,
+        tools=TOOLS,
+        tool_choice={"type": "tool", "name": "get_weather"},
+        max_tokens=60,
+        extra_body=GREEDY,
+    )
+    (call,) = first.content
+    result = {"type": "tool_result", "tool_use_id": call.id, "content": "18 C and sunny"}
+    turns = [
+        *WEATHER_QUESTION,
+        {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+        {"role": "user", "content": [result]},
+    ]
+    second = client.messages.create(
+        model=model, messages=turns, tools=TOOLS, max_tokens=MAX_TOKENS, extra_body=GREEDY
+    )
+    assert second.stop_reason in ("end_turn", "max_tokens") and text_of(second)
+    # Without tools in the request, the same turns render as chat's tool messages would.
+    counted = client.messages.count_tokens(model=model, messages=turns).input_tokens
+    openai_turns = [
+        *WEATHER_QUESTION,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.name, "arguments": json.dumps(call.input)},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": call.id, "content": "18 C and sunny"},
+    ]
+    r = httpx.post(f"{live_server.base_url}/tokenize", json={"messages": openai_turns})
+    assert counted == r.json()["count"]
+
+
+# ---- token counts ------------------------------------------------------------------------
+
+CONVERSATIONS = {
+    "plain": dict(messages=QUESTION),
+    "system list": dict(
+        system=[
+            {"type": "text", "text": SYSTEM * 8, "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Today is Monday."},
+        ],
+        messages=QUESTION,
+    ),
+    "tools": dict(messages=WEATHER_QUESTION, tools=TOOLS),
+    "several turns": dict(
+        messages=[
+            *QUESTION,
+            {"role": "assistant", "content": [{"type": "text", "text": "Paris."}]},
+            {"role": "user", "content": "And of Italy?"},
+        ]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(CONVERSATIONS))
+def test_count_tokens_equals_usage(client, model, name):
+    conversation = CONVERSATIONS[name]
+    counted = client.messages.count_tokens(model=model, **conversation).input_tokens
+    for _ in range(2):  # the second time, the prefix cache serves part of the prompt
+        usage = client.messages.create(model=model, max_tokens=1, **conversation).usage
+        reported = usage.input_tokens + usage.cache_read_input_tokens
+        assert counted == reported + usage.cache_creation_input_tokens
+    if name == "system list":
+        assert usage.cache_read_input_tokens > 0
+
+
+# ---- errors in the SDK's classes ---------------------------------------------------------
+
+BAD_REQUESTS = {
+    "bad role": dict(messages=[{"role": "robot", "content": "Hi"}]),
+    "empty messages": dict(messages=[]),
+    "unknown block type": dict(
+        messages=[{"role": "user", "content": [{"type": "hologram", "text": "Hi"}]}]
+    ),
+    "unknown block in system": dict(system=[{"type": "video"}], messages=QUESTION),
+    "image": dict(
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "source": {"type": "url", "url": "https://x.test/a.png"}}
+                ],
+            }
+        ]
+    ),
+    "server tool": dict(messages=QUESTION, tools=[{"type": "web_search_20250305", "name": "ws"}]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_requests_raise_bad_request_error(client, model, case):
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.messages.create(model=model, max_tokens=4, **BAD_REQUESTS[case])
+    body = info.value.body
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    message = body["error"]["message"]
+    for named in ("robot", "hologram", "video", "image", "web_search_20250305"):
+        if named in json.dumps(BAD_REQUESTS[case]):
+            assert named in message, message
+
+
+def test_missing_max_tokens_is_a_bad_request(client, model):
+    # The SDK will not send it without max_tokens; its raw post does, and maps the answer.
+    with pytest.raises(anthropic.BadRequestError) as info:
+        client.post("/v1/messages", body={"model": model, "messages": QUESTION}, cast_to=object)
+    assert "max_tokens" in info.value.body["error"]["message"]
+
+
+def test_unknown_model_is_not_found(client):
+    with pytest.raises(anthropic.NotFoundError) as info:
+        client.messages.create(model="claude-nope", messages=QUESTION, max_tokens=1)
+    assert info.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="claude-nope", messages=QUESTION)
+
+
+def test_head_probe_and_unknown_routes(live_server):
+    assert httpx.head(f"{live_server.base_url}/", timeout=30).status_code == 200
+    r = httpx.get(f"{live_server.v1}/messages/batches", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+API_KEY = "sk-ant-test-7e2b"
+
+
+@pytest.fixture(scope="module")
+def small_server(ours_default):
+    """One running sequence and one waiting place, behind an API key."""
+    with running_server(
+        ours_default, engine_config(max_num_seqs=1, max_waiting=1), api_keys=[API_KEY]
+    ) as live:
+        yield live
+
+
+def test_api_key_in_either_header(small_server, model):
+    base = small_server.base_url
+    fields = dict(model=model, messages=QUESTION, max_tokens=1)
+    with anthropic.Anthropic(base_url=base, api_key="wrong", max_retries=0) as bad:
+        with pytest.raises(anthropic.AuthenticationError) as info:
+            bad.messages.create(**fields)
+    assert info.value.body["error"]["type"] == "authentication_error"
+    with anthropic.Anthropic(base_url=base, api_key=API_KEY, max_retries=0) as good:
+        assert good.messages.create(**fields).usage.output_tokens == 1  # x-api-key
+    with anthropic.Anthropic(base_url=base, auth_token=API_KEY, max_retries=0) as good:
+        assert good.messages.create(**fields).usage.output_tokens == 1  # a bearer token
+
+
+def test_overload_is_529(small_server, model):
+    long_run = {"prompt": "Count: 1, 2, 3,", "max_tokens": 500, "stream": True, "ignore_eos": True}
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    with httpx.Client(base_url=small_server.v1, timeout=120, headers=auth) as c:
+        with c.stream("POST", "/completions", json=long_run) as running:
+            lines = running.iter_lines()
+            next(lines)  # a token came: this one is running, not waiting
+            with c.stream("POST", "/completions", json=long_run) as waiting:
+                assert waiting.status_code == 200  # it holds the one waiting place
+                r = c.post("/messages", json={"messages": QUESTION, "max_tokens": 1})
+                assert r.status_code == 529 and int(r.headers["retry-after"]) >= 1
+                assert r.json()["type"] == "error"
+                assert r.json()["error"]["type"] == "overloaded_error"
+                with anthropic.Anthropic(
+                    base_url=small_server.base_url, api_key=API_KEY, max_retries=0
+                ) as sdk:
+                    with pytest.raises(anthropic.InternalServerError) as info:
+                        sdk.messages.create(model=model, messages=QUESTION, max_tokens=1)
+                    assert info.value.status_code == 529
+    assert small_server.wait_kv_free() == 0
+
+
+# ---- what a request leaves behind --------------------------------------------------------
+
+
+def test_disconnect_mid_stream_frees_kv_blocks(live_server, model, monkeypatch):
+    engine = live_server.engine
+    aborted: list[str] = []
+    original = engine.abort
+    monkeypatch.setattr(engine, "abort", lambda rid: (aborted.append(rid), original(rid)))
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count from 1 to 500, one number a line."}],
+        "max_tokens": 400,
+        "temperature": 0,
+        "stream": True,
+    }
+    with httpx.Client(timeout=120) as c:
+        headers = {"X-Request-Id": "gone-anthropic"}
+        with c.stream("POST", f"{live_server.v1}/messages", json=body, headers=headers) as r:
+            lines = r.iter_lines()
+            deltas = 0
+            while deltas < 3:
+                deltas += next(lines) == "event: content_block_delta"
+            assert engine.scheduler.kv.num_used_blocks > 0
+        # Leaving the block closed the connection mid-stream.
+    assert live_server.wait_kv_free() == 0
+    assert any(rid.startswith("gone-anthropic") for rid in aborted)
+
+
+def test_access_log_and_metrics_count_messages(client, live_server, model, caplog):
+    caplog.set_level(logging.INFO, logger="llamaserve.access")
+
+    def generated() -> float:
+        text = httpx.get(f"{live_server.base_url}/metrics", timeout=30).text
+        found = re.search(r"^llamaserve:generation_tokens_total\{[^}]*\} (\S+)$", text, re.M)
+        return float(found.group(1))
+
+    before = generated()
+    message = client.messages.create(
+        model=model, messages=QUESTION, max_tokens=3, extra_headers={"X-Request-Id": "logged-msg"}
+    )
+    prompt = message.usage.input_tokens + message.usage.cache_read_input_tokens
+    pattern = f"POST /v1/messages 200 prompt_tokens={prompt} completion_tokens=3 "
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        lines = [r.getMessage() for r in caplog.records if "logged-msg" in r.getMessage()]
+        if lines and generated() >= before + 3:
+            break
+        time.sleep(0.05)
+    assert len(lines) == 1 and pattern in lines[0], lines
+    assert generated() >= before + 3
