@@ -35,11 +35,11 @@ SKIPPED_BLOCKS = ("thinking", "redacted_thinking")
 class MessageParam(LenientModel):
     # Any string: the roles we take are checked where a 400 can name the message.
     role: str
-    content: str | list[dict[str, Any]]
+    content: str | list[Any]
 
 
 def chat_messages(
-    system: str | list[dict[str, Any]] | None, messages: list[MessageParam]
+    system: str | list[Any] | None, messages: list[MessageParam]
 ) -> list[ChatMessage]:
     out = []
     if system is not None:

@@ -11,6 +11,7 @@ repeated prefix by itself), and the `anthropic-version` and `anthropic-beta` hea
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import Field
@@ -30,12 +31,14 @@ MESSAGES_PARAMS = {
     "stop": "stop_sequences",
     "response_format": "output_config.format",
 }
+_OUR_NAMES = re.compile(r"\b(" + "|".join(MESSAGES_PARAMS) + r")\b")
 
 
 class CountTokensRequest(LenientModel):
     model: str | None = None
     messages: list[MessageParam] = Field(min_length=1)
-    system: str | list[dict[str, Any]] | None = None
+    # Blocks are checked where a 400 can name the one at fault.
+    system: str | list[Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
     thinking: dict[str, Any] | None = None
@@ -77,9 +80,7 @@ def chat_request(req: CountTokensRequest) -> ChatCompletionRequest:
 def renamed(exc: APIError) -> APIError:
     """A chat-path error, naming the Messages API's fields rather than chat's."""
     param = MESSAGES_PARAMS.get(exc.param or "", exc.param)
-    message = exc.message.replace(f"{exc.param}:", f"{param}:") if exc.param else exc.message
-    for ours, theirs in MESSAGES_PARAMS.items():
-        message = message.replace(ours, theirs)
+    message = _OUR_NAMES.sub(lambda m: MESSAGES_PARAMS[m.group(0)], exc.message)
     return APIError(exc.status, message, param, exc.code, exc.headers)
 
 
