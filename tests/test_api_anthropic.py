@@ -43,6 +43,7 @@ WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}
 # The SDK's `create` has no sampling fields (newer Claude models take none); the server
 # reads `temperature` all the same.
 GREEDY = {"temperature": 0}
+TEXT_REQUEST = dict(system=SYSTEM, messages=QUESTION, max_tokens=MAX_TOKENS, extra_body=GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -88,38 +89,39 @@ def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
 # ---- text, whole and streamed ------------------------------------------------------------
 
 
-def test_greedy_text_equals_chat_completions(client, live_server, model):
-    message = client.messages.create(
-        model=model, system=SYSTEM, messages=QUESTION, max_tokens=MAX_TOKENS, extra_body=GREEDY
-    )
+@pytest.fixture(scope="module")
+def greedy(client, model):
+    """The greedy answer to SYSTEM and QUESTION, whole; several tests compare with it."""
+    return client.messages.create(**TEXT_REQUEST, model=model)
+
+
+def test_greedy_text_equals_chat_completions(greedy, live_server, model):
     reference = chat(
         live_server, [{"role": "system", "content": SYSTEM}, *QUESTION], max_tokens=MAX_TOKENS
     )
     choice = reference["choices"][0]
-    assert message.id.startswith("msg_") and message.type == "message"
-    assert message.role == "assistant" and message.model == model
-    assert text_of(message) == choice["message"]["content"] and text_of(message)
+    assert greedy.id.startswith("msg_") and greedy.type == "message"
+    assert greedy.role == "assistant" and greedy.model == model
+    assert text_of(greedy) == choice["message"]["content"] and text_of(greedy)
     reasons = {"stop": "end_turn", "length": "max_tokens"}
-    assert message.stop_reason == reasons[choice["finish_reason"]]
-    assert message.stop_sequence is None
-    usage = message.usage
+    assert greedy.stop_reason == reasons[choice["finish_reason"]]
+    assert greedy.stop_sequence is None
+    usage = greedy.usage
     prompt = usage.input_tokens + usage.cache_read_input_tokens
     assert prompt == reference["usage"]["prompt_tokens"]
     assert usage.cache_creation_input_tokens == 0
     assert usage.output_tokens == reference["usage"]["completion_tokens"]
 
 
-def test_stream_joins_to_the_same_text(client, model):
-    fields = dict(model=model, messages=QUESTION, max_tokens=MAX_TOKENS, extra_body=GREEDY)
-    whole = client.messages.create(**fields)
-    with client.messages.stream(**fields) as stream:
+def test_stream_joins_to_the_same_text(greedy, client, model):
+    with client.messages.stream(**TEXT_REQUEST, model=model) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
-    assert text == text_of(whole) == text_of(final)
-    assert final.stop_reason == whole.stop_reason
-    assert final.usage.output_tokens == whole.usage.output_tokens
+    assert text == text_of(greedy) == text_of(final)
+    assert final.stop_reason == greedy.stop_reason
+    assert final.usage.output_tokens == greedy.usage.output_tokens
     total = final.usage.input_tokens + final.usage.cache_read_input_tokens
-    assert total == whole.usage.input_tokens + whole.usage.cache_read_input_tokens
+    assert total == greedy.usage.input_tokens + greedy.usage.cache_read_input_tokens
 
 
 def test_stream_events_come_in_anthropic_order(live_server, model):
@@ -145,19 +147,17 @@ def test_stream_events_come_in_anthropic_order(live_server, model):
     assert delta["usage"]["output_tokens"] > 0
 
 
-def test_stop_sequence_is_named(client, model):
-    fields = dict(model=model, messages=QUESTION, extra_body=GREEDY)
-    text = text_of(client.messages.create(**fields, max_tokens=MAX_TOKENS))
+def test_stop_sequence_is_named(greedy, client, model):
+    text = text_of(greedy)
     words = text.split()
     assert len(words) >= 3, text
     sequence = " " + words[2]
     expected = text[: text.index(sequence)]
-    message = client.messages.create(**fields, max_tokens=MAX_TOKENS, stop_sequences=[sequence])
+    message = client.messages.create(**TEXT_REQUEST, model=model, stop_sequences=[sequence])
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == sequence
     assert text_of(message) == expected
-    with client.messages.stream(
-        **fields, max_tokens=MAX_TOKENS, stop_sequences=["zzz", sequence]
-    ) as s:
+    stops = ["zzz", sequence]
+    with client.messages.stream(**TEXT_REQUEST, model=model, stop_sequences=stops) as s:
         final = s.get_final_message()
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == sequence
     assert text_of(final) == expected
@@ -332,13 +332,17 @@ def test_head_probe_and_unknown_routes(live_server):
 
 
 API_KEY = "sk-ant-test-7e2b"
+MAX_REQUEST_BYTES = 65536
 
 
 @pytest.fixture(scope="module")
 def small_server(ours_default):
     """One running sequence and one waiting place, behind an API key."""
     with running_server(
-        ours_default, engine_config(max_num_seqs=1, max_waiting=1), api_keys=[API_KEY]
+        ours_default,
+        engine_config(max_num_seqs=1, max_waiting=1),
+        api_keys=[API_KEY],
+        max_request_bytes=MAX_REQUEST_BYTES,
     ) as live:
         yield live
 
@@ -354,6 +358,18 @@ def test_api_key_in_either_header(small_server, model):
         assert good.messages.create(**fields).usage.output_tokens == 1  # x-api-key
     with anthropic.Anthropic(base_url=base, auth_token=API_KEY, max_retries=0) as good:
         assert good.messages.create(**fields).usage.output_tokens == 1  # a bearer token
+
+
+def test_oversized_body_is_413_in_anthropic_shape(small_server, model):
+    big = {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": "a" * 70000}]}
+    r = httpx.post(
+        f"{small_server.v1}/messages", json=big, headers={"x-api-key": API_KEY}, timeout=60
+    )
+    assert r.status_code == 413
+    assert r.json() == {
+        "type": "error",
+        "error": {"type": "request_too_large", "message": "request body larger than 65536 bytes"},
+    }
 
 
 def test_overload_is_529(small_server, model):
