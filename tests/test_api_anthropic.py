@@ -171,41 +171,48 @@ def test_max_tokens_is_the_stop_reason(client, model):
 # ---- tools -------------------------------------------------------------------------------
 
 
+CHOICES = {"any": {"type": "any"}, "named": {"type": "tool", "name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def forced(client, model):
+    """The answer under a forced tool choice, whole or streamed, each asked for once."""
+    answers = {}
+
+    def answer(choice: str, stream: bool):
+        if (choice, stream) not in answers:
+            fields = dict(
+                model=model,
+                messages=WEATHER_QUESTION,
+                tools=TOOLS,
+                tool_choice={**CHOICES[choice], "disable_parallel_tool_use": True},
+                max_tokens=60,
+                extra_body=GREEDY,
+            )
+            if stream:
+                with client.messages.stream(**fields) as s:
+                    answers[choice, stream] = s.get_final_message()
+            else:
+                answers[choice, stream] = client.messages.create(**fields)
+        return answers[choice, stream]
+
+    return answer
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
-@pytest.mark.parametrize(
-    "choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}], ids=["any", "named"]
-)
-def test_forced_tool_use_validates(client, model, choice, stream):
-    fields = dict(
-        model=model,
-        messages=WEATHER_QUESTION,
-        tools=TOOLS,
-        tool_choice={**choice, "disable_parallel_tool_use": True},
-        max_tokens=60,
-        extra_body=GREEDY,
-    )
-    if stream:
-        with client.messages.stream(**fields) as s:
-            message = s.get_final_message()
-    else:
-        message = client.messages.create(**fields)
+@pytest.mark.parametrize("choice", list(CHOICES))
+def test_forced_tool_use_validates(forced, choice, stream):
+    message = forced(choice, stream)
     assert message.stop_reason == "tool_use"
     assert message.content and all(block.type == "tool_use" for block in message.content)
     for block in message.content:
         assert block.id.startswith("toolu_")
-        assert block.name == choice.get("name", block.name) and block.name in SCHEMAS
+        assert block.name == CHOICES[choice].get("name", block.name) and block.name in SCHEMAS
         jsonschema.validate(block.input, SCHEMAS[block.name])
 
 
-def test_tool_result_is_answered(client, live_server, model):
-    first = client.messages.create(
-        model=model,
-        messages=WEATHER_QUESTION,
-        tools=TOOLS,
-        tool_choice={"type": "tool", "name": "get_weather"},
-        max_tokens=60,
-        extra_body=GREEDY,
-    )
+def test_tool_result_is_answered(forced, client, live_server, model):
+    first = forced("named", False)
     (call,) = first.content
     result = {"type": "tool_result", "tool_use_id": call.id, "content": "18 C and sunny"}
     turns = [
