@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right
 status, for everything a client can get wrong, and one handler that turns our own bugs
-into a logged 500 without a traceback on the wire.
+into a logged 500 without a traceback on the wire. On the routes of Anthropic's Messages
+API the same errors take Anthropic's shape (server/edge/anthropic_errors.py).
 
 It must never put a traceback or an internal message on the wire.
 """
