@@ -1,6 +1,7 @@
 """The FastAPI application, assembled: the state and metrics every handler reads stored on
 the app, the error handlers, the middleware, and the routers of server/routes/ (the
-OpenAI API, tokens, health, metrics, the router-facing endpoints), each attached with the
+OpenAI API, tokens, health, metrics, the router-facing endpoints, Anthropic's Messages
+API), each attached with the
 guard it needs. Handlers translate between the wire and the engine; they never touch KV
 blocks or model tensors."""
 
@@ -12,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from server.edge.errors import install_error_handlers
 from server.edge.metrics import ServerMetrics
 from server.edge.middleware import BodyLimit, RequestContext
-from server.routes import monitoring, openai_api, routing, tokens
+from server.routes import messages, monitoring, openai_api, routing, tokens
 from server.routes.guards import authorized
 from server.state import ServerState
 
@@ -43,4 +44,5 @@ def build_app(
         monitoring.metrics_router, dependencies=guarded if state.metrics_require_api_key else []
     )
     app.include_router(routing.router, dependencies=guarded)
+    app.include_router(messages.router, dependencies=guarded)
     return app

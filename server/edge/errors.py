@@ -1,6 +1,7 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}` with the right
 status, for everything a client can get wrong, and one handler that turns our own bugs
-into a logged 500 without a traceback on the wire.
+into a logged 500 without a traceback on the wire. On the routes of Anthropic's Messages
+API the same errors take Anthropic's shape (server/edge/anthropic_errors.py).
 
 It must never put a traceback or an internal message on the wire.
 """
@@ -14,6 +15,8 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from server.edge.anthropic_errors import anthropic_error_body, anthropic_status, speaks_anthropic
 
 logger = logging.getLogger("llamaserve.server")
 
@@ -67,7 +70,13 @@ def error_response(
     param: str | None = None,
     code: str | None = None,
     headers: dict[str, str] | None = None,
+    path: str = "",
 ) -> JSONResponse:
+    """`path`: the request's; the routes of Anthropic's API answer in its shape."""
+    if speaks_anthropic(path):
+        status = anthropic_status(status)
+        body = anthropic_error_body(status, message)
+        return JSONResponse(body, status_code=status, headers=headers)
     return JSONResponse(
         error_body(status, message, param, code), status_code=status, headers=headers
     )
@@ -109,22 +118,26 @@ def _union_branches(errors: list[Any], loc: list[str]) -> list[str]:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
+        return error_response(
+            exc.status, exc.message, exc.param, exc.code, exc.headers, request.url.path
+        )
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(400, message, param)
+        return error_response(400, message, param, path=request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "request failed"
         if exc.status_code == 404:
             message = f"no route {request.method} {request.url.path}"
-        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+        headers = getattr(exc, "headers", None)
+        return error_response(exc.status_code, message, headers=headers, path=request.url.path)
 
     @app.exception_handler(Exception)
     async def _bug(request: Request, exc: Exception) -> JSONResponse:
         request_id = getattr(request.state, "request_id", "-")
         logger.exception("request %s: internal error", request_id)
-        return error_response(500, f"internal error (request id {request_id})")
+        message = f"internal error (request id {request_id})"
+        return error_response(500, message, path=request.url.path)

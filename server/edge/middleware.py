@@ -17,6 +17,7 @@ from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from server.edge.anthropic_errors import anthropic_error_body, speaks_anthropic
 from server.edge.errors import error_body
 
 access_log = logging.getLogger("llamaserve.access")
@@ -99,7 +100,7 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             if int(length) <= DRAIN_LIMIT_BYTES:
                 await _drain(receive)
-            await self._reject(send)
+            await self._reject(send, scope["path"])
             return
         chunks, size = [], 0
         while True:
@@ -111,7 +112,7 @@ class BodyLimit:
             if size > self.max_bytes:
                 if message.get("more_body", False):
                     await _drain(receive)
-                await self._reject(send)
+                await self._reject(send, scope["path"])
                 return
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -128,10 +129,10 @@ class BodyLimit:
 
         await self.app(scope, replay, send)
 
-    async def _reject(self, send: Send) -> None:
-        payload = json.dumps(
-            error_body(413, f"request body larger than {self.max_bytes} bytes")
-        ).encode()
+    async def _reject(self, send: Send, path: str) -> None:
+        message = f"request body larger than {self.max_bytes} bytes"
+        shaped = anthropic_error_body if speaks_anthropic(path) else error_body
+        payload = json.dumps(shaped(413, message)).encode()
         await send(
             {
                 "type": "http.response.start",

@@ -2,8 +2,8 @@
 rendered by the model's chat template into prompt ids, the tool plan, and sampling
 parameters with the grammar that enforces `response_format` or a required tool call.
 
-It never admits a request; `/v1/chat/completions`, `/v1/responses` and `/tokenize` share it,
-so each gets exactly the ids the others would.
+It never admits a request; `/v1/chat/completions`, `/v1/responses`, `/v1/messages` (with its
+token count) and `/tokenize` share it, so each gets exactly the ids the others would.
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def render_chat(
         raise APIError(400, f"messages: {exc}", "messages") from None
 
 
-async def chat_inputs(
-    req: ChatCompletionRequest, state: ServerState, request_id: str
-) -> ChatInputs:
+def chat_prompt(
+    req: ChatCompletionRequest, state: ServerState
+) -> tuple[list[int], ToolPlan | None]:
+    """The prompt ids (tools included) and the tool plan; what a token count counts."""
     plan = None
     if state.chat_template is not None:
         plan = tool_plan(req, call_format(state.chat_template))
@@ -70,6 +71,13 @@ async def chat_inputs(
         req.chat_template_kwargs,
         plan.tools if plan else None,
     )
+    return ids, plan
+
+
+async def chat_inputs(
+    req: ChatCompletionRequest, state: ServerState, request_id: str
+) -> ChatInputs:
+    ids, plan = chat_prompt(req, state)
     requested = (
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )

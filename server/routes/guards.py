@@ -19,11 +19,14 @@ def authorized(request: Request) -> None:
         return
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    offered = token.strip().encode()
+    offered = [token.strip().encode()] if scheme.lower() == "bearer" else []
+    # Anthropic's clients send the key in `x-api-key` rather than as a bearer token.
+    if "x-api-key" in request.headers:
+        offered.append(request.headers["x-api-key"].strip().encode())
     # Every key is compared, in constant time, so the answer's timing tells nothing
     # about which key came close.
-    matches = [hmac.compare_digest(offered, key) for key in keys]
-    if scheme.lower() != "bearer" or not any(matches):
+    matches = [hmac.compare_digest(given, key) for given in offered for key in keys]
+    if not any(matches):
         raise APIError(401, "invalid or missing API key", code="invalid_api_key")
 
 

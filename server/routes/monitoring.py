@@ -1,7 +1,8 @@
-"""What an orchestrator and a scraper read: `GET /health` (200 while the engine runs,
-503 once it has died) and `GET /metrics` (the Prometheus text `ServerMetrics` renders).
-Two routers, as the app's assembly guards them differently: /health is always open,
-/metrics only when asked to be."""
+"""What an orchestrator, a client's probe and a scraper read: `GET /health` (200 while the
+engine runs, 503 once it has died), `HEAD /` and `GET /` (Claude Code probes the server
+with `HEAD /` before its first request) and `GET /metrics` (the Prometheus text
+`ServerMetrics` renders). Two routers, as the app's assembly guards them differently:
+/health and / are always open, /metrics only when asked to be."""
 
 from __future__ import annotations
 
@@ -20,6 +21,11 @@ async def health(raw: Request) -> Response:
     if served_state(raw).engine.alive:
         return Response(status_code=200)
     return JSONResponse({"error": {"message": "engine is not running"}}, status_code=503)
+
+
+@health_router.api_route("/", methods=["GET", "HEAD"], include_in_schema=False)
+async def root() -> Response:
+    return Response(status_code=200)
 
 
 @metrics_router.get("/metrics")
