@@ -22,11 +22,11 @@ def quantized_linear(
     int4_kernel: str | None = None,
 ) -> QuantizedLinear:
     """int4 is weight-only: the products take the activations in bf16. w4a8 is int4 on the
-        kernel that rounds them to int8 first (llama.cpp's arithmetic for a Q4 GGUF), faster
-        where the CPU has AVX-512 VNNI and less exact. int5 and int6 (GGUF Q5_0's and Q6_K's own
-        formats) are no choice of the flags: the loader takes them for Q5_0 and Q6_K layers
-        (LAYER_ONLY_QUANTIZATIONS), and w5a8 (int5 with int8 activations) for Q5_0 layers of a
-        model in w4a8. int4_kernel: the kernel an int4 or w4a8 layer runs on, the kernel plan's
+    kernel that rounds them to int8 first (llama.cpp's arithmetic for a Q4 GGUF), faster
+    where the CPU has AVX-512 VNNI and less exact. int5 and int6 (GGUF Q5_0's and Q6_K's own
+    formats) are no choice of the flags: the loader takes them for Q5_0 and Q6_K layers
+    (LAYER_ONLY_QUANTIZATIONS), and w5a8 (int5 with int8 activations) for Q5_0 layers of a
+    model in w4a8. int4_kernel: the kernel an int4 or w4a8 layer runs on, the kernel plan's
     choice for its shape (model/plan/int4_kernel.py)."""
     if quantization == "int8":
         return Int8Linear(in_features, out_features, device)
