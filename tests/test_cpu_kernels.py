@@ -20,7 +20,7 @@ from model.int8_group_linear import Int8GroupLinear
 from model.loader import checkpoint_config, load_model
 from model.quantized_linear import Int4Linear
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
+from scheduler.engine.factory import create_engine
 
 PROMPT = "The capital of France is"
 
@@ -48,7 +48,7 @@ def test_torch_keeps_every_op_in_pytorch_and_native_takes_every_c_kernel(caplog)
         "head_int8": False,
     }
     assert cpu_kernels.argmax_kernel() is None
-    with caplog.at_level(logging.INFO, logger="scheduler.engine_factory"):
+    with caplog.at_level(logging.INFO, logger="scheduler.engine.factory"):
         create_engine(torch_only.model, torch_only.tokenizer, EngineConfig(max_model_len=256))
     (line,) = [r.getMessage() for r in caplog.records if "CPU kernel plan" in r.getMessage()]
     assert "--cpu-kernels torch" in line and "attention torch_ref" in line

@@ -77,3 +77,83 @@ def test_no_import_circle_in_server() -> None:
 
     for name in sorted(server):
         visit(name, [])
+
+
+def circle_in(package: str) -> str | None:
+    """The first import circle among `package`'s modules, as "a -> b -> a"; None if none.
+    `from pkg import x` with pkg a package counts as importing pkg's `__init__`."""
+    members = {name for name in MODULES if layer(name) == package}
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> str | None:
+        if name in path:
+            return " -> ".join(path[path.index(name) :] + [name])
+        if name in done:
+            return None
+        for target in sorted(GRAPH[name] & members):
+            found = visit(target, [*path, name])
+            if found:
+                return found
+        done.add(name)
+        return None
+
+    for name in sorted(members):
+        found = visit(name, [])
+        if found:
+            return found
+    return None
+
+
+def test_no_import_circle_in_scheduler() -> None:
+    assert circle_in("scheduler") is None
+
+
+def test_the_scheduler_package_face_is_for_outside_callers() -> None:
+    """scheduler/__init__.py imports the modules behind it; a module inside importing it
+    back would close a circle through every one of them."""
+    inside = [name for name in GRAPH if layer(name) == "scheduler" and "scheduler" in GRAPH[name]]
+    assert not inside
+
+
+def test_server_imports_the_scheduler_only_through_its_face() -> None:
+    wrong = [
+        f"{name} -> {target}"
+        for name, targets in GRAPH.items()
+        if layer(name) == "server"
+        for target in targets
+        if layer(target) == "scheduler" and target != "scheduler"
+    ]
+    assert not wrong
+
+
+MAX_FUNCTION_LINES = 80
+MAX_FILE_LINES = 300
+
+
+def long_functions(package: str) -> list[str]:
+    found = []
+    for name, path in MODULES.items():
+        if layer(name) != package:
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    found.append(f"{name}.{node.name}: {lines} lines")
+    return found
+
+
+def long_files(package: str) -> list[str]:
+    return [
+        f"{name}: {lines} lines"
+        for name, path in MODULES.items()
+        if layer(name) == package and (lines := len(path.read_text().splitlines())) > MAX_FILE_LINES
+    ]
+
+
+def test_no_long_function_in_scheduler() -> None:
+    assert not long_functions("scheduler")
+
+
+def test_no_long_file_in_scheduler() -> None:
+    assert not long_files("scheduler")

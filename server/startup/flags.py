@@ -16,7 +16,7 @@ from model.cpu_kernels import CPU_KERNELS
 from model.quantized_linear import QUANTIZATIONS
 from model.weight_format import DTYPES
 from model.weights.pypi_models import PYPI_DIRECTORIES, PYPI_MODELS
-from scheduler.config import EngineConfig
+from scheduler import EngineConfig
 from server.startup.memory_size import parse_memory_size
 
 
