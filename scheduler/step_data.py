@@ -4,7 +4,10 @@ came out, for `Scheduler.update_from_output`).
 
 Values only, as in vLLM's v1 core: the runner never sees a `Request` and the scheduler
 never sees a tensor, so either side can change (a compiled step, tensor parallelism, a
-grammar mask) without the other noticing. Nothing here imports torch.
+grammar mask) without the other noticing. Grammars travel as bitmasks (llguidance's
+layout), as vLLM's v1 sends them; only guesses a draft model makes in the runner, after the
+schedule, travel as a copy of the sequence's matcher, the step's own, never the
+scheduler's. Nothing here imports torch.
 """
 
 from __future__ import annotations
