@@ -21,10 +21,10 @@ import torch
 
 from bench.loadgen import make_prompt, percentile
 from model.loader import load_model
-from scheduler.async_engine import freeze_startup_objects
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
-from scheduler.request import SamplingParams
+from scheduler.engine.async_engine import freeze_startup_objects
+from scheduler.engine.factory import create_engine
+from scheduler.sampling_params import SamplingParams
 
 
 def main() -> None:

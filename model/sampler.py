@@ -20,7 +20,7 @@ import torch
 
 from model.token_bitmask import apply_token_bitmask, stack_bitmasks
 
-# A row whose temperature is exactly this is greedy: SamplingParams (scheduler/request.py)
+# A row whose temperature is exactly this is greedy: SamplingParams (scheduler/sampling_params.py)
 # maps every temperature too small to divide by to it.
 _GREEDY_TEMPERATURE = 0.0
 # A C argmax over float rows (model/native/ops.py's NativeArgmax): ids, or None where it

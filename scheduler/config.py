@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler.speculation import SpeculativeConfig
+from scheduler.spec.speculation import SpeculativeConfig
 
 # Tokens one step may feed on a GPU when --max-num-batched-tokens is not given.
 GPU_MAX_NUM_BATCHED_TOKENS = 2048

@@ -6,7 +6,7 @@ then waiting ones are admitted, their prompts split into chunks when the budget 
 short. When the cache cannot grow a running request, the most recently admitted one is
 preempted: its blocks are freed and it goes back to the front of the queue, to be
 recomputed later (its cached prefix blocks usually survive). Nothing is dropped. A
-decoding sequence may feed guessed tokens too (scheduler/speculation.py).
+decoding sequence may feed guessed tokens too (scheduler/spec/speculation.py).
 
 One step is three calls, as in vLLM's v1 core: `schedule()` says what runs, the model
 runner computes, `update_from_output()` advances computed tokens, appends sampled tokens,
@@ -23,16 +23,18 @@ from collections import deque
 
 from scheduler.config import QueueFull, SchedulerConfig
 from scheduler.kv_cache import KVCacheManager
-from scheduler.request import Request, RequestStatus, resolve_max_tokens
-from scheduler.speculation import DRAFT_SLOT, Speculator
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import resolve_max_tokens
+from scheduler.spec.speculation import Speculator
 from scheduler.step_data import (
+    DRAFT_SLOT,
     ModelRunnerOutput,
     SampledToken,
     SchedulerOutput,
     SequenceUpdate,
     scheduled_request,
 )
-from scheduler.structured_output import StructuredOutputManager
+from scheduler.structured.manager import StructuredOutputManager
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +217,7 @@ class Scheduler:
         """The only place a step's results move requests forward: computed tokens, prompt
         logprobs, sampled tokens, forks of n > 1 siblings, stop tokens and lengths; what
         finished is freed here. Returns one update per token sampled (a speculating
-        sequence may take several, scheduler/speculation.py) and per sequence failed."""
+        sequence may take several, scheduler/spec/speculation.py) and per sequence failed."""
         updates: list[SequenceUpdate] = []
         for scheduled in out.scheduled:
             req = self._in_flight[scheduled.request_id]

@@ -5,7 +5,7 @@ after an abort) carries only the gauges and what finished since the last report.
 
 from dataclasses import dataclass, field
 
-from scheduler.speculation import SpecCounts
+from scheduler.spec.speculation import SpecCounts
 
 
 @dataclass

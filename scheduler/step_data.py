@@ -4,16 +4,29 @@ came out, for `Scheduler.update_from_output`).
 
 Values only, as in vLLM's v1 core: the runner never sees a `Request` and the scheduler
 never sees a tensor, so either side can change (a compiled step, tensor parallelism, a
-grammar mask) without the other noticing. Nothing here imports torch.
+grammar mask) without the other noticing. Grammars travel as bitmasks (llguidance's
+layout), as vLLM's v1 sends them; only guesses a draft model makes in the runner, after the
+schedule, travel as a copy of the sequence's matcher, the step's own, never the
+scheduler's. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from scheduler.request import Request, SamplingParams, TokenLogprob
+from scheduler.request import Request, TokenLogprob
+from scheduler.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from scheduler.structured.grammar import DraftGrammar
+
+# The scheduler reserves a draft model's guesses with this id; the runner's draft model
+# fills them in (scheduler/runner/draft_model.py). Never a token: a slot left unfilled
+# fails the embedding lookup instead of passing for one.
+DRAFT_SLOT = -1
 
 
 @dataclass
@@ -40,7 +53,11 @@ class ScheduledRequest:
     # token id (llguidance's int32 layout), a row per position it samples (one, and one
     # per guess), rows of the step's one bitmask array.
     token_bitmask: np.ndarray | None = None
-    # Speculated tokens, the tail of new_token_ids (scheduler/speculation.py): the runner
+    # A constrained sequence whose guesses the runner's draft model makes (`DRAFT_SLOT`s):
+    # a copy of its grammar's matcher for this step, under which the draft picks them and
+    # the runner then fills `token_bitmask`. The scheduler's own matcher is never handed out.
+    draft_grammar: DraftGrammar | None = None
+    # Speculated tokens, the tail of new_token_ids (scheduler/spec/speculation.py): the runner
     # takes the target's choice after each and reports how many it would have chosen.
     draft_token_ids: list[int] = field(default_factory=list)
 

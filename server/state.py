@@ -11,7 +11,7 @@ from fastapi import Request
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
 from model.text.wordpiece import WordPieceTokenizer
-from scheduler.async_engine import AsyncEngine
+from scheduler import AsyncEngine
 from server.structured.grammar import GrammarCompiler
 
 

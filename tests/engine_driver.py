@@ -2,8 +2,9 @@
 
 from dataclasses import dataclass, field
 
-from scheduler.engine import Engine
-from scheduler.request import RequestOutput, SamplingParams
+from scheduler.engine.engine import Engine
+from scheduler.request import RequestOutput
+from scheduler.sampling_params import SamplingParams
 
 
 @dataclass

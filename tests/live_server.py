@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from scheduler.config import EngineConfig
-from scheduler.engine import Engine
+from scheduler.engine.engine import Engine
 from server.startup.config import ServeConfig
 from server.startup.launch import build_server, uvicorn_server
 from server.state import ServerState

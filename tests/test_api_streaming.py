@@ -398,7 +398,7 @@ def test_a_started_engine_shortens_the_gil_switch_interval(live_server):
     at Python's default 5 ms a single stream lost about a fifth of its speed."""
     import sys
 
-    from scheduler.async_engine import GIL_SWITCH_INTERVAL_S
+    from scheduler.engine.async_engine import GIL_SWITCH_INTERVAL_S
 
     assert live_server.state.engine.alive
     assert sys.getswitchinterval() <= GIL_SWITCH_INTERVAL_S

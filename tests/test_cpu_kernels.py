@@ -20,7 +20,7 @@ from model.plan.mode import check_mode
 from model.quant.int4 import Int4Linear
 from model.quant.int8_group import Int8GroupLinear
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
+from scheduler.engine.factory import create_engine
 
 PROMPT = "The capital of France is"
 
@@ -48,7 +48,7 @@ def test_torch_keeps_every_op_in_pytorch_and_native_takes_every_c_kernel(caplog)
         "head_int8": False,
     }
     assert torch_only.model.kernel_plan.argmax_kernel() is None
-    with caplog.at_level(logging.INFO, logger="scheduler.engine_factory"):
+    with caplog.at_level(logging.INFO, logger="scheduler.engine.factory"):
         create_engine(torch_only.model, torch_only.tokenizer, EngineConfig(max_model_len=256))
     (line,) = [r.getMessage() for r in caplog.records if "CPU kernel plan" in r.getMessage()]
     assert "--cpu-kernels torch" in line and "attention torch_ref" in line

@@ -10,9 +10,9 @@ import torch
 from model.attention import attention_backend
 from model.loader import load_model
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
-from scheduler.request import SamplingParams
-from scheduler.speculation import SpeculativeConfig
+from scheduler.engine.factory import create_engine
+from scheduler.sampling_params import SamplingParams
+from scheduler.spec.speculation import SpeculativeConfig
 from tests.engine_driver import run_engine
 from tests.tiny_models import random_draft
 

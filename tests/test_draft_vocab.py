@@ -59,7 +59,7 @@ def test_the_first_logits_are_the_whole_head_s_first_columns(head) -> None:
 
 
 def test_the_config_takes_it_for_a_draft_model() -> None:
-    from scheduler.speculation import SpeculativeConfig
+    from scheduler.spec.speculation import SpeculativeConfig
 
     text = '{"model": "draft.gguf", "num_speculative_tokens": 2%s}'
     assert SpeculativeConfig.parse(text % "").draft_vocab_size == 65536

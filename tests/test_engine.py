@@ -9,8 +9,8 @@ import torch
 
 from model.greedy import greedy_tokens
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
-from scheduler.request import SamplingParams
+from scheduler.engine.factory import create_engine
+from scheduler.sampling_params import SamplingParams
 from tests.engine_driver import run_engine
 from tests.native_builds import MACHINE_ISAS
 

@@ -1,10 +1,10 @@
-"""Tests for scheduler/engine_factory.py: the step token budget comes from the prefill
+"""Tests for scheduler/engine/factory.py: the step token budget comes from the prefill
 speed measured on this machine (here stubbed), unless the flag fixes it."""
 
 import pytest
 
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine, token_budget_for
+from scheduler.engine.factory import create_engine, token_budget_for
 from scheduler.runner.model_runner import ModelRunner
 
 
@@ -61,7 +61,7 @@ def test_ids_past_the_tokenizer_are_never_sampled(tmp_path) -> None:
     """A checkpoint whose 512 rows outnumber its tokenizer's ~350 tokens (padded, as many
     are): sampled at temperature 2, every id stays decodable and no request fails."""
     from model.loader import load_model
-    from scheduler.request import SamplingParams
+    from scheduler.sampling_params import SamplingParams
     from tests.engine_driver import run_engine
     from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 

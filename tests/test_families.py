@@ -16,8 +16,8 @@ from model.loader import load_model
 from model.network.batch import Batch
 from model.network.paged_cache import PagedKVCache
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
-from scheduler.request import SamplingParams
+from scheduler.engine.factory import create_engine
+from scheduler.sampling_params import SamplingParams
 from tests.engine_driver import run_engine
 from tests.tiny_families import make_tiny, write_gguf
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from model.encoder.bert import PADDING_SLACK, length_groups
-from scheduler.pooling_engine import PoolingEngine, PoolingParams
-from scheduler.request import InvalidParams
+from scheduler.engine.pooling_engine import PoolingEngine, PoolingParams
+from scheduler.sampling_params import InvalidParams
 from scheduler.scheduler import QueueFull, SchedulerConfig
 
 

@@ -20,8 +20,8 @@ from model.quant.base import INT4_GROUP
 from model.quant.int5 import _grid_step
 from model.quant.int6 import Int6Linear
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
-from scheduler.request import SamplingParams
+from scheduler.engine.factory import create_engine
+from scheduler.sampling_params import SamplingParams
 from tests.engine_driver import run_engine
 from tests.real_references import hf_model_of, hf_tokenizer_of
 from tests.tokenizer_reference import build_corpus

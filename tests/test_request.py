@@ -1,9 +1,9 @@
-"""scheduler/request.py's SamplingParams: the one home of the sampling rules every layer
+"""scheduler/sampling_params.py's SamplingParams: the one home of the sampling rules every layer
 below relies on (greedy is temperature 0.0; top_k off is 0), applied at construction."""
 
 import pytest
 
-from scheduler.request import GREEDY_TEMPERATURE, InvalidParams, SamplingParams
+from scheduler.sampling_params import GREEDY_TEMPERATURE, InvalidParams, SamplingParams
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1e-6, GREEDY_TEMPERATURE / 2])

@@ -11,7 +11,8 @@ import sys
 import pytest
 
 from scheduler.kv_cache import KVCacheManager
-from scheduler.request import InvalidParams, Request, RequestStatus, SamplingParams, TokenLogprob
+from scheduler.request import Request, RequestStatus, TokenLogprob
+from scheduler.sampling_params import InvalidParams, SamplingParams
 from scheduler.scheduler import QueueFull, Scheduler, SchedulerConfig
 from scheduler.step_data import ModelRunnerOutput, SampledToken, SchedulerOutput
 
@@ -213,7 +214,7 @@ def test_abort_frees_its_blocks() -> None:
 
 def test_the_scheduler_and_the_engine_import_no_torch() -> None:
     code = (
-        "import sys, scheduler.engine, scheduler.scheduler, scheduler.async_engine; "
+        "import sys, scheduler.engine.engine, scheduler.scheduler, scheduler.engine.async_engine; "
         "print(any(m == 'torch' or m.startswith('torch.') for m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -13,12 +13,13 @@ import torch
 
 from model.quant.int8_group import Int8GroupLinear
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
+from scheduler.engine.factory import create_engine
 from scheduler.kv_cache import KVCacheManager
-from scheduler.request import Request, SamplingParams
-from scheduler.spec_costs import SpecCosts
-from scheduler.spec_length import guess_length, probe_interval
-from scheduler.speculation import (
+from scheduler.request import Request
+from scheduler.sampling_params import SamplingParams
+from scheduler.spec.costs import SpecCosts
+from scheduler.spec.length import guess_length, probe_interval
+from scheduler.spec.speculation import (
     SpeculativeConfig,
     SpeculativeConfigError,
     Speculator,

@@ -8,8 +8,8 @@ import pytest
 
 from model.checkpoint.pypi_models import pypi_model_path
 from model.loader import load_model
-from scheduler.request import SamplingParams
 from scheduler.runner.kv_capacity import kv_bytes_per_block
+from scheduler.sampling_params import SamplingParams
 from tests.engine_driver import run_engine
 from tests.test_engine import engine_for
 from tests.test_speculation import BUDGET, assert_same, run_speculating

@@ -10,9 +10,9 @@ from scipy.stats import chisquare
 
 from model.loader import load_model
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
-from scheduler.request import SamplingParams
-from scheduler.speculation import SpeculativeConfig
+from scheduler.engine.factory import create_engine
+from scheduler.sampling_params import SamplingParams
+from scheduler.spec.speculation import SpeculativeConfig
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 
 VOCAB = 64

@@ -1,4 +1,4 @@
-"""scheduler/structured_output.py and constrained decoding through the real engine on the
+"""scheduler/structured/manager.py and constrained decoding through the real engine on the
 default model: the bitmask allows exactly what an independent prefix check over the
 vocabulary allows; constrained output always parses and validates (sampled, n > 1,
 preempted, beside unconstrained requests), ends with "stop" or "length", and leaves the
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
-from scheduler.request import InvalidParams, SamplingParams
-from scheduler.structured_output import StructuredOutputManager
+from scheduler.engine.factory import create_engine
+from scheduler.sampling_params import InvalidParams, SamplingParams
+from scheduler.structured.manager import StructuredOutputManager
 from server.structured.grammar import GrammarCompiler
 from tests.engine_driver import run_engine
 
@@ -200,3 +200,44 @@ def test_a_refused_token_fails_the_sequence_in_the_scheduler(ours_default, compi
     (update,) = sched.update_from_output(plan, result)
     assert update.finish_reason == "error" and "grammar" in update.error
     assert not sched.has_work() and len(sched.structured) == 0
+
+
+def test_a_draft_is_handed_a_copy_of_the_grammar(ours_default, compiler):
+    """A draft model's guesses are made after the schedule, so a constrained sequence with
+    guess slots gets no bitmask from the scheduler but a copy of its matcher for the step
+    (`draft_grammar`): moving the copy leaves the scheduler's matcher where it was. The
+    guesses are then cut where the grammar refuses one, and a sequence left without a
+    guess still gets the mask of the row it samples."""
+    from scheduler.step_data import DRAFT_SLOT, ScheduledRequest
+    from scheduler.structured.grammar import constrain_guesses
+
+    tok = ours_default.tokenizer
+    manager = StructuredOutputManager()
+    manager.add("a", compiler.compile_sync("choice", '["yes"]'))
+    before = manager.fill_bitmask(["a"])
+    step = ScheduledRequest(
+        request_id="a",
+        new_token_ids=[1, DRAFT_SLOT, DRAFT_SLOT],
+        num_computed_tokens=4,
+        block_table=[0, 1],
+        sample=True,
+        params=SamplingParams(temperature=0.0),
+        seed=None,
+        prompt_ids=[1, 2, 3, 4],
+        output_ids=[1],
+        draft_token_ids=[DRAFT_SLOT, DRAFT_SLOT],
+    )
+    manager.fill_rows([step])
+    assert step.token_bitmask is None and step.draft_grammar is not None
+    yes = tok.encode("yes")
+    assert step.draft_grammar.matcher.consume_token(yes[0])
+    assert np.array_equal(manager.fill_bitmask(["a"]), before)
+
+    fresh = ScheduledRequest(**{**vars(step), "draft_grammar": None, "token_bitmask": None})
+    manager.fill_rows([fresh])
+    wrong = tok.encode("no")[0]
+    (cut, none) = constrain_guesses(
+        [(fresh.draft_grammar, [yes[0], wrong]), (fresh.draft_grammar, [])]
+    )
+    assert cut.shape[0] == 2 and none.shape[0] == 1  # one guess kept; one row each
+    assert np.array_equal(none, before)

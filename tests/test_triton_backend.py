@@ -16,9 +16,9 @@ from model.network.batch import Batch  # noqa: E402
 from model.network.llama import Llama  # noqa: E402
 from model.network.paged_cache import PagedKVCache  # noqa: E402
 from scheduler.config import EngineConfig  # noqa: E402
-from scheduler.engine_factory import create_engine  # noqa: E402
-from scheduler.request import SamplingParams  # noqa: E402
+from scheduler.engine.factory import create_engine  # noqa: E402
 from scheduler.runner.decode_graphs import DecodeGraphs, graph_batch_sizes  # noqa: E402
+from scheduler.sampling_params import SamplingParams  # noqa: E402
 from tests.engine_driver import run_engine  # noqa: E402
 from tests.tiny_models import make_tiny_llama  # noqa: E402
 

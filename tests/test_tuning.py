@@ -142,7 +142,7 @@ START_UP = textwrap.dedent(
     from model.plan import tuning
     from model.loader import load_model
     from scheduler.config import EngineConfig
-    from scheduler.engine_factory import create_engine
+    from scheduler.engine.factory import create_engine
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     torch.set_num_threads(1)

@@ -1,6 +1,6 @@
 """Guesses from a draft model: a smaller checkpoint with the target's tokenizer proposes
 each speculating sequence's next tokens, greedily, and the target verifies them in its
-own forward as it verifies n-gram guesses (scheduler/speculation.py).
+own forward as it verifies n-gram guesses (scheduler/spec/speculation.py).
 
 The draft keeps a paged KV cache of its own with as many blocks as the target's,
 addressed by the same block tables: the scheduler's allocation, trims of rejected
@@ -33,7 +33,7 @@ from model.sampler import greedy_ids
 from model.token_bitmask import apply_token_bitmask
 from scheduler.config import EngineConfig
 from scheduler.step_data import ModelRunnerOutput, ScheduledRequest
-from scheduler.structured_output import StructuredOutputManager
+from scheduler.structured.grammar import constrain_guesses
 
 
 class DraftModel:
@@ -47,7 +47,7 @@ class DraftModel:
         self.logit_rows = spec.draft_vocab_size if spec else None
         # A guess the draft itself gives less than this probability ends the sequence's
         # guesses before it: it would cost a draft step and a verified row, and is kept
-        # less often than it pays for (scheduler/speculation.py, `draft_p_min`).
+        # less often than it pays for (scheduler/spec/speculation.py, `draft_p_min`).
         self.p_min = spec.draft_p_min if spec else 0.0
         self.kv_cache = PagedKVCache.allocate(
             model.config, num_blocks, block_size, model.dtype, model.device
@@ -56,12 +56,8 @@ class DraftModel:
         # step the draft ran; only that step's sequences are kept.
         self._done: dict[str, int] = {}
         # Seconds of each one-token step after the first forward in the last propose(), the
-        # price of one more guess (scheduler/spec_costs.py); None where it took none.
+        # price of one more guess (scheduler/spec/costs.py); None where it took none.
         self.step_s: float | None = None
-        # The scheduler's grammars: a constrained sequence's guesses are picked among the
-        # tokens its grammar allows after the guesses before them, and its verified rows
-        # masked, as n-gram guesses are.
-        self.grammars: StructuredOutputManager | None = None
 
     def fill(
         self, scheduled: list[ScheduledRequest], vocab: int, result: ModelRunnerOutput
@@ -141,7 +137,7 @@ class DraftModel:
             self._done[s.request_id] += fed[i]
             fed_tokens = s.new_token_ids[: len(s.new_token_ids) - len(s.draft_token_ids)]
             filled[i] = replace(s, new_token_ids=fed_tokens + guess, draft_token_ids=guess)
-        return self.grammars.constrain_guesses(filled) if self.grammars is not None else filled
+        return _constrained(filled)
 
     def _forward(
         self, tokens: list[list[int]], starts: list[int], tables: list[list[int]]
@@ -186,19 +182,40 @@ class DraftModel:
         and the draft's probability of it among the ids it chose from."""
         rows = list(rows)
         picked = logits[rows, :vocab]
-        if self.grammars is not None:
-            masks = [
-                (j, self.grammars.next_allowed(scheduled[i].request_id, guesses[i]))
-                for j, i in enumerate(owners)
-            ]
-            masks = [(j, mask) for j, mask in masks if mask is not None]
-            if masks:
-                at = torch.tensor([j for j, _ in masks], device=picked.device)
-                bitmask = torch.from_numpy(np.concatenate([m for _, m in masks])).to(picked.device)
-                apply_token_bitmask(picked, at, bitmask)
+        # A constrained sequence's guess is picked among what its grammar allows after the
+        # guesses before it (the step's copy of its matcher, `draft_grammar`).
+        masks = [
+            (j, grammar.next_allowed(guesses[i]))
+            for j, i in enumerate(owners)
+            if (grammar := scheduled[i].draft_grammar) is not None
+        ]
+        if masks:
+            at = torch.tensor([j for j, _ in masks], device=picked.device)
+            bitmask = torch.from_numpy(np.concatenate([m for _, m in masks])).to(picked.device)
+            apply_token_bitmask(picked, at, bitmask)
         ids = greedy_ids(picked, self.argmax)
         if self.p_min <= 0.0:
             return ids.tolist(), [1.0] * len(rows)
         best = picked.gather(1, ids[:, None])[:, 0].float()
         confidence = torch.exp(best - torch.logsumexp(picked.float(), dim=-1))
         return ids.tolist(), confidence.tolist()
+
+
+def _constrained(filled: list[ScheduledRequest]) -> list[ScheduledRequest]:
+    """The constrained sequences' guesses cut before the first their grammar refuses, and
+    their rows masked as the scheduler masks n-gram guesses; a sequence the draft made no
+    guess for still gets the mask of the one row it samples. The slots of guesses cut are
+    freed as rejected ones are."""
+    constrained = [i for i, s in enumerate(filled) if s.draft_grammar is not None]
+    rows = constrain_guesses(
+        [(filled[i].draft_grammar, filled[i].draft_token_ids) for i in constrained]
+    )
+    out = list(filled)
+    for i, bitmask in zip(constrained, rows, strict=True):
+        s = filled[i]
+        allowed = s.draft_token_ids[: len(bitmask) - 1]
+        fed = s.new_token_ids[: len(s.new_token_ids) - len(s.draft_token_ids)]
+        out[i] = replace(
+            s, new_token_ids=fed + allowed, draft_token_ids=allowed, token_bitmask=bitmask
+        )
+    return out

@@ -13,6 +13,7 @@ import torch
 
 from model.network.batch import Batch
 from model.sampler import SamplingMetadata
+from scheduler.sampling_params import ROW_FIELDS, SamplingParams
 from scheduler.step_data import ScheduledRequest
 
 
@@ -60,20 +61,38 @@ def sampling_metadata(
 ) -> SamplingMetadata:
     """`rows`: the sequence each sampled row belongs to; `token_bitmasks`: each row's
     grammar mask, None for an unconstrained row."""
-    ps = [s.params for s in rows]
-    want = [p.logprobs for p in ps if p.logprobs is not None]
-    return SamplingMetadata.build(
-        temperature=[p.temperature for p in ps],
-        top_k=[p.top_k for p in ps],
-        top_p=[p.top_p for p in ps],
-        min_p=[p.min_p for p in ps],
-        presence_penalty=[p.presence_penalty for p in ps],
-        frequency_penalty=[p.frequency_penalty for p in ps],
-        repetition_penalty=[p.repetition_penalty for p in ps],
-        logit_bias=[p.logit_bias for p in ps],
+    return params_metadata(
+        [s.params for s in rows],
+        generators,
+        vocab_size,
+        device,
         suppress_ids=[sorted(s.suppress_token_ids) for s in rows],
         prompt_ids=[s.prompt_ids for s in rows],
         output_ids=[s.output_ids for s in rows],
+        token_bitmasks=token_bitmasks,
+    )
+
+
+def params_metadata(
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    vocab_size: int,
+    device: torch.device,
+    *,
+    suppress_ids: list[list[int]],
+    prompt_ids: list[list[int]],
+    output_ids: list[list[int]],
+    token_bitmasks: list[np.ndarray | None] | None = None,
+) -> SamplingMetadata:
+    """Each row's parameters as the sampler takes them: the per-row ones (`ROW_FIELDS`)
+    under their own names, the logprobs the most any row asks for."""
+    want = [p.logprobs for p in params if p.logprobs is not None]
+    return SamplingMetadata.build(
+        **{name: [getattr(p, name) for p in params] for name in ROW_FIELDS},
+        logit_bias=[p.logit_bias for p in params],
+        suppress_ids=suppress_ids,
+        prompt_ids=prompt_ids,
+        output_ids=output_ids,
         generators=generators,
         num_logprobs=max(want, default=-1),
         vocab_size=vocab_size,

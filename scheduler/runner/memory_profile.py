@@ -15,10 +15,18 @@ import torch
 from model.network.batch import Batch
 from model.network.llama import Llama
 from model.network.paged_cache import PagedKVCache
-from model.sampler import Sampler, SamplingMetadata
+from model.sampler import Sampler
 from scheduler.config import EngineConfigError
+from scheduler.runner.inputs import params_metadata
+from scheduler.sampling_params import PENALTIES, SamplingParams
 
 logger = logging.getLogger(__name__)
+
+# The costliest sampling a row can ask for: every filter and every penalty on (their tables
+# are what a step's sampling allocates), top-20 logprobs.
+WORST_CASE = SamplingParams(
+    temperature=1.0, top_k=50, top_p=0.9, min_p=0.05, logprobs=20, **dict.fromkeys(PENALTIES, 1.1)
+)
 
 
 def run_largest_step(
@@ -41,23 +49,14 @@ def run_largest_step(
         tokens, [0] * num_seqs, tables, block_size, device, null_block=cache.null_block
     )
     logits = model(batch, cache)
-    every = [1.0] * num_seqs
-    meta = SamplingMetadata.build(
-        temperature=every,
-        top_k=[50] * num_seqs,
-        top_p=[0.9] * num_seqs,
-        min_p=[0.05] * num_seqs,
-        presence_penalty=every,
-        frequency_penalty=every,
-        repetition_penalty=[1.1] * num_seqs,
-        logit_bias=[None] * num_seqs,
+    meta = params_metadata(
+        [WORST_CASE] * num_seqs,
+        [None] * num_seqs,
+        vocab,
+        device,
         suppress_ids=[[] for _ in range(num_seqs)],
         prompt_ids=tokens,
         output_ids=[[0] for _ in range(num_seqs)],
-        generators=[None] * num_seqs,
-        num_logprobs=20,
-        vocab_size=vocab,
-        device=device,
     )
     sampler(logits, meta)
     return cache.k.nbytes + cache.v.nbytes

@@ -192,7 +192,7 @@ class ModelRunner:
             return result
         try:
             vocab = self.sample_vocab_size
-            # A speculating sequence samples a row per guess too (scheduler/speculation.py),
+            # A speculating sequence samples a row per guess too (scheduler/spec/speculation.py),
             # each row as if it were the sequence's last.
             owners = [r for r in sampling for _ in range(1 + len(r.draft_token_ids))]
             generators = [

@@ -5,7 +5,7 @@ keeps nothing between calls. `DecoderPoolingRunner` drives a served decoder fami
 scratch cache of its own that no request holds once the step is done.
 
 Like `ModelRunner`, they never change request state; the pooling engine does. Both
-answer `PoolingRunner` (scheduler/pooling_engine.py).
+answer `PoolingRunner` (scheduler/engine/pooling_engine.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import torch
 
 from model.sampler import SamplerOutput, token_logprobs
 from scheduler.request import TokenLogprob
-from scheduler.speculation import accepted
+from scheduler.spec.speculation import accepted
 from scheduler.step_data import ModelRunnerOutput, SampledToken, ScheduledRequest
 
 

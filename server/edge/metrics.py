@@ -26,7 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from scheduler.stats import StepStats
+from scheduler import StepStats
 
 PREFIX = "llamaserve:"
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -204,7 +204,7 @@ class ServerMetrics:
 
     def _add_spec_decode_counters(self) -> None:
         counter, reg = self._counter, self.registry
-        # Speculative decoding, as vLLM's spec_decode counters (scheduler/speculation.py).
+        # Speculative decoding, as vLLM's spec_decode counters (scheduler/spec/speculation.py).
         self.spec_num_drafts = counter(
             "spec_decode_num_drafts", "Sequences that offered guessed tokens to a step."
         )

@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from scheduler.request import TokenLogprob
+from scheduler import TokenLogprob
 from server.edge.errors import APIError, error_body
 from server.routes.chat_inputs import chat_inputs
 from server.routes.completions import SSE_HEADERS

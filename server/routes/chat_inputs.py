@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from model.text.chat_template import ChatTemplateError
-from scheduler.request import SamplingParams
+from scheduler import SamplingParams
 from server.edge.errors import APIError
 from server.routes.engine_inputs import checked_max_tokens, sampling_params
 from server.routes.protocol import ChatCompletionRequest, ChatMessage, Tool

@@ -14,7 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from scheduler.request import RequestOutput, TokenLogprob
+from scheduler import RequestOutput, TokenLogprob
 from server.edge.errors import APIError, error_body
 from server.routes.engine_inputs import check_token_ids, checked_max_tokens, sampling_params
 from server.routes.protocol import CompletionPrompt, CompletionRequest

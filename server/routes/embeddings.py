@@ -16,7 +16,7 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from scheduler.pooling_engine import PoolingParams
+from scheduler import PoolingParams
 from server.edge.errors import APIError
 from server.routes.engine_inputs import check_token_ids
 from server.routes.protocol import EmbeddingRequest

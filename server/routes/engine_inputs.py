@@ -7,8 +7,7 @@ It never admits a request: it only builds and checks what admission is handed.
 
 from __future__ import annotations
 
-from scheduler.request import InvalidParams, SamplingParams, resolve_max_tokens
-from scheduler.structured_output import Grammar
+from scheduler import ROW_FIELDS, Grammar, InvalidParams, SamplingParams, resolve_max_tokens
 from server.edge.errors import APIError
 from server.routes.protocol import MAX_STOP_STRINGS, SamplingFields
 from server.state import ServerState
@@ -64,17 +63,7 @@ def sampling_params(
         # Fields the client left out take SamplingParams' defaults; it also normalises
         # greedy temperatures and top_k against the vocabulary, for every caller alike.
         optional = {
-            name: getattr(req, name)
-            for name in (
-                "temperature",
-                "top_p",
-                "top_k",
-                "min_p",
-                "presence_penalty",
-                "frequency_penalty",
-                "repetition_penalty",
-            )
-            if getattr(req, name) is not None
+            name: getattr(req, name) for name in ROW_FIELDS if getattr(req, name) is not None
         }
         return SamplingParams(
             max_tokens=max_tokens,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from model.text.tokenizer import Tokenizer
-from scheduler.request import RequestOutput
+from scheduler import RequestOutput
 from server.structured.tool_calls import ToolPlan, parse_tool_calls
 
 STOP_REASONS = {"length": "max_tokens"}

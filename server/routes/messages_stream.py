@@ -19,7 +19,7 @@ from typing import Any
 
 from fastapi import Request
 
-from scheduler.async_engine import RequestStream
+from scheduler import RequestStream
 from server.edge.anthropic_errors import anthropic_error_body
 from server.routes.messages_reply import Finish, message_shell, new_tool_use_id
 from server.routes.streaming import merge

@@ -16,7 +16,7 @@ from typing import Any
 
 from fastapi import Request
 
-from scheduler.async_engine import RequestStream
+from scheduler import RequestStream
 from server.routes.chat_inputs import ChatInputs
 from server.routes.responses_items import call_item, finish, message_item, usage
 from server.routes.streaming import merge

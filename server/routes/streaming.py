@@ -15,9 +15,14 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 
-from scheduler.async_engine import EngineDead, RequestStream
-from scheduler.request import InvalidParams, RequestOutput, SamplingParams
-from scheduler.scheduler import QueueFull
+from scheduler import (
+    EngineDead,
+    InvalidParams,
+    QueueFull,
+    RequestOutput,
+    RequestStream,
+    SamplingParams,
+)
 from server.edge.errors import APIError
 from server.state import ServerState
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from scheduler.config import EngineConfig
-from scheduler.speculation import SpeculativeConfig, SpeculativeConfigError
+from scheduler import EngineConfig, SpeculativeConfig, SpeculativeConfigError
 from server.startup.flags import UsageError, add_model_flags, model_settings
 from server.startup.parallel_flags import add_parallel_flags
 from server.startup.serve_flags import add_serve_flags
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.encoder.pooling import PoolingConfigError
     from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
     from model.parallel.distributed import DistributedError
-    from scheduler.config import EngineConfigError
+    from scheduler import EngineConfigError
 
     args = build_parser().parse_args(argv)
     if args.threads is not None:

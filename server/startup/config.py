@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler.config import EngineConfig
+from scheduler import EngineConfig
 from server.startup.flags import UsageError
 
 DEFAULT_MASTER_PORT = 29500

@@ -18,9 +18,7 @@ from model.encoder.pooling import PoolingConfig
 from model.loader import LoadedModel, resolve_device
 from model.text.tokenizer import Tokenizer
 from model.text.wordpiece import WordPieceTokenizer
-from scheduler.pooling_engine import PoolingEngine
-from scheduler.runner.pooling_runner import DecoderPoolingRunner, EncoderRunner
-from scheduler.scheduler import SchedulerConfig
+from scheduler import DecoderPoolingRunner, EncoderRunner, PoolingEngine, SchedulerConfig
 from server.startup.config import ServeConfig
 from server.startup.flags import UsageError
 from server.state import EmbeddingSpec

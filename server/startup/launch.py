@@ -22,12 +22,14 @@ from model.loader import LoadedModel, load_model, resolve_device
 from model.parallel.plan import TensorParallel
 from model.plan import tuning
 from model.random_model import load_random_model
-from scheduler.async_engine import AsyncEngine
-from scheduler.engine import Engine
-from scheduler.engine_factory import create_engine
-from scheduler.pooling_engine import PoolingEngine
-from scheduler.scheduler import SchedulerConfig
-from scheduler.speculation import SpeculativeConfigError
+from scheduler import (
+    AsyncEngine,
+    Engine,
+    PoolingEngine,
+    SchedulerConfig,
+    SpeculativeConfigError,
+    create_engine,
+)
 from server.api import build_app
 from server.edge.connections import bounded_http_protocol
 from server.edge.metrics import ServerMetrics

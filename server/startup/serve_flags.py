@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from scheduler.config import EngineConfig
+from scheduler import EngineConfig
 from server.startup.memory_size import parse_memory_size
 
 

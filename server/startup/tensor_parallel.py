@@ -28,7 +28,7 @@ from model.parallel.distributed import DistributedSpec, close_distributed, init_
 from model.parallel.plan import TensorParallel
 from model.parallel.steps import StepSender
 from model.presets import preset_config
-from scheduler.runner.rank_process import WorkerSpec, serve_steps
+from scheduler import WorkerSpec, serve_steps
 from server.startup.config import DEFAULT_MASTER_PORT, ParallelConfig, ServeConfig
 
 logger = logging.getLogger("llamaserve.server")

@@ -9,8 +9,7 @@ from __future__ import annotations
 import argparse
 
 from model.plan import tuning
-from scheduler.config import EngineConfig
-from scheduler.engine_factory import create_engine
+from scheduler import EngineConfig, create_engine
 from server.startup.config import ServeConfig
 from server.startup.flags import model_settings
 from server.startup.launch import load

@@ -24,7 +24,7 @@ from typing import Any
 import llguidance
 
 from model.text.tokenizer import Tokenizer
-from scheduler.structured_output import Grammar
+from scheduler import Grammar
 
 logger = logging.getLogger("llamaserve.server")
 

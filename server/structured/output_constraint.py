@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Any
 
-from scheduler.structured_output import Grammar
+from scheduler import Grammar
 from server.edge.errors import APIError
 from server.routes.protocol import ResponseFormat, StructuredOutputs
 from server.state import ServerState

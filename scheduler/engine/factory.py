@@ -10,7 +10,7 @@ import logging
 from model.network.llama import Llama
 from model.text.tokenizer import Tokenizer
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig, EngineConfigError
-from scheduler.engine import Engine
+from scheduler.engine.engine import Engine
 from scheduler.kv_cache import KVCacheManager
 from scheduler.runner.model_runner import ModelRunner
 from scheduler.scheduler import Scheduler, SchedulerConfig
@@ -50,8 +50,6 @@ def create_engine(
         ),
         kv,
     )
-    if runner.drafter is not None:
-        runner.drafter.grammars = scheduler.structured
     return Engine(runner, scheduler, tokenizer)
 
 

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from model.text.tokenizer import Tokenizer
-from scheduler.output_text import OutputText
-from scheduler.request import Request, RequestOutput, SamplingParams, TokenLogprob
+from scheduler.engine.output_text import OutputText
+from scheduler.request import Request, RequestOutput, TokenLogprob
+from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
 from scheduler.stats import FinishedStats, StepStats
 from scheduler.step_data import ModelRunnerOutput, SchedulerOutput, SequenceUpdate

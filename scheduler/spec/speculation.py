@@ -21,7 +21,7 @@ without speculation.
 
 Only sequences whose choice at each position depends on nothing but the tokens before it
 speculate: no penalties (they count output tokens), min_tokens reached. How many tokens
-each guesses is its own, step by step (scheduler/spec_length.py).
+each guesses is its own, step by step (scheduler/spec/length.py).
 """
 
 from __future__ import annotations
@@ -33,19 +33,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from scheduler.request import Request
-from scheduler.spec_costs import SpecCosts
-from scheduler.spec_length import DEFAULT_COST, planned_guesses
-from scheduler.step_data import ModelRunnerOutput, SchedulerOutput
+from scheduler.spec.costs import SpecCosts
+from scheduler.spec.length import DEFAULT_COST, planned_guesses
+from scheduler.step_data import DRAFT_SLOT, ModelRunnerOutput, SchedulerOutput
 
 
 class SpeculativeConfigError(ValueError):
     """A --speculative-config that cannot be used; one sentence for the CLI."""
-
-
-# The scheduler reserves a draft model's guesses with this id; the runner's draft model
-# fills them in (scheduler/runner/draft_model.py). Never a token: a slot left unfilled
-# fails the embedding lookup instead of passing for one.
-DRAFT_SLOT = -1
 
 
 @dataclass(frozen=True)
@@ -227,13 +221,7 @@ class Speculator:
 
 
 def may_speculate(req: Request) -> bool:
-    p = req.params
-    return (
-        p.presence_penalty == 0.0
-        and p.frequency_penalty == 0.0
-        and p.repetition_penalty == 1.0
-        and req.may_stop
-    )
+    return not req.params.penalised and req.may_stop
 
 
 def draft_tokens(
@@ -257,7 +245,7 @@ def draft_tokens(
         return []
     if config.method == "draft_model":
         # Slots the runner's draft fills; a constrained sequence's guesses are cut and
-        # masked there (StructuredOutputManager.constrain_guesses).
+        # masked there (scheduler/structured/grammar.py, `DraftGrammar`).
         return [DRAFT_SLOT] * limit
     return propose_ngram(
         req.all_token_ids, config.prompt_lookup_min, config.prompt_lookup_max, limit

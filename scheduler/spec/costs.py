@@ -1,6 +1,6 @@
 """What a guess costs, measured as the server runs, as a share of a sequence's part of a
 plain step: the price each sequence's guesses are weighed against
-(scheduler/spec_length.py).
+(scheduler/spec/length.py).
 
 A speculating step costs the verification (a forward of 1 + k rows a sequence) plus the
 draft model's k one-token steps; a plain step one forward for one token. On a 2-core

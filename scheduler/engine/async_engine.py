@@ -17,10 +17,11 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 
-from scheduler.engine import Engine
-from scheduler.pooling_engine import PoolingEngine, PoolingParams
-from scheduler.request import RequestOutput, SamplingParams
+from scheduler.engine.engine import Engine
+from scheduler.engine.pooling_engine import PoolingEngine, PoolingParams
+from scheduler.request import RequestOutput
 from scheduler.runner.openmp import release_openmp_workers
+from scheduler.sampling_params import SamplingParams
 from scheduler.stats import StepStats
 
 logger = logging.getLogger(__name__)

@@ -20,7 +20,8 @@ from typing import Protocol
 import numpy as np
 
 from scheduler.config import QueueFull, SchedulerConfig
-from scheduler.request import InvalidParams, RequestOutput
+from scheduler.request import RequestOutput
+from scheduler.sampling_params import InvalidParams
 from scheduler.stats import FinishedStats, StepStats
 
 logger = logging.getLogger(__name__)

@@ -31,7 +31,7 @@ PRIOR = 0.5
 PRIOR_WEIGHT = 2.0
 PROBE_EVERY = 16  # tokens
 # A guess's cost to a sequence alone, as a share of its plain step (in a step of n
-# sequences n times that: scheduler/spec_costs.py), until both kinds of step have been
+# sequences n times that: scheduler/spec/costs.py), until both kinds of step have been
 # timed: a verified row of a 1.5B model costs near a third of a plain step on a 2-core
 # CPU; taken lower, so that an unmeasured server errs towards guessing.
 DEFAULT_COST = 0.2
