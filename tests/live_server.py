@@ -119,3 +119,13 @@ def assert_error(r: httpx.Response, status: int, param: str | None = None) -> di
 def live_server(ours_default) -> Iterator[LiveServer]:
     with running_server(ours_default) as live:
         yield live
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(live_server: LiveServer) -> Iterator[object]:
+    """The official `anthropic` SDK pointed at `live_server`; skips where it is missing."""
+    anthropic = pytest.importorskip("anthropic")
+    with anthropic.Anthropic(
+        base_url=live_server.base_url, api_key="unused", max_retries=0, timeout=120
+    ) as client:
+        yield client

@@ -1,4 +1,4 @@
-"""Anthropic's Messages API through the official `anthropic` SDK (an independent client)
+"""Anthropic's Messages API through the official `anthropic` SDK (an independent anthropic_client)
 against a real server on the default model: greedy text equal to chat completions' for
 the same conversation, whole and streamed (events in Anthropic's order), stop sequences and
 max_tokens, forced tool calls whose input validates against its schema, a tool result
@@ -38,14 +38,6 @@ TEXT_REQUEST = dict(system=SYSTEM, messages=QUESTION, max_tokens=MAX_TOKENS, ext
 
 
 @pytest.fixture(scope="module")
-def client(live_server):
-    with anthropic.Anthropic(
-        base_url=live_server.base_url, api_key="unused", max_retries=0, timeout=120
-    ) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def model(live_server) -> str:
     return live_server.state.model_name
 
@@ -81,9 +73,9 @@ def sse_events(response: httpx.Response) -> list[tuple[str, dict]]:
 
 
 @pytest.fixture(scope="module")
-def greedy(client, model):
+def greedy(anthropic_client, model):
     """The greedy answer to SYSTEM and QUESTION, whole; several tests compare with it."""
-    return client.messages.create(**TEXT_REQUEST, model=model)
+    return anthropic_client.messages.create(**TEXT_REQUEST, model=model)
 
 
 def test_greedy_text_equals_chat_completions(greedy, live_server, model):
@@ -104,8 +96,8 @@ def test_greedy_text_equals_chat_completions(greedy, live_server, model):
     assert usage.output_tokens == reference["usage"]["completion_tokens"]
 
 
-def test_stream_joins_to_the_same_text(greedy, client, model):
-    with client.messages.stream(**TEXT_REQUEST, model=model) as stream:
+def test_stream_joins_to_the_same_text(greedy, anthropic_client, model):
+    with anthropic_client.messages.stream(**TEXT_REQUEST, model=model) as stream:
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == text_of(greedy) == text_of(final)
@@ -138,24 +130,26 @@ def test_stream_events_come_in_anthropic_order(live_server, model):
     assert delta["usage"]["output_tokens"] > 0
 
 
-def test_stop_sequence_is_named(greedy, client, model):
+def test_stop_sequence_is_named(greedy, anthropic_client, model):
     text = text_of(greedy)
     words = text.split()
     assert len(words) >= 3, text
     sequence = " " + words[2]
     expected = text[: text.index(sequence)]
-    message = client.messages.create(**TEXT_REQUEST, model=model, stop_sequences=[sequence])
+    message = anthropic_client.messages.create(
+        **TEXT_REQUEST, model=model, stop_sequences=[sequence]
+    )
     assert message.stop_reason == "stop_sequence" and message.stop_sequence == sequence
     assert text_of(message) == expected
     stops = ["zzz", sequence]
-    with client.messages.stream(**TEXT_REQUEST, model=model, stop_sequences=stops) as s:
+    with anthropic_client.messages.stream(**TEXT_REQUEST, model=model, stop_sequences=stops) as s:
         final = s.get_final_message()
     assert final.stop_reason == "stop_sequence" and final.stop_sequence == sequence
     assert text_of(final) == expected
 
 
-def test_max_tokens_is_the_stop_reason(client, model):
-    message = client.messages.create(model=model, messages=QUESTION, max_tokens=2)
+def test_max_tokens_is_the_stop_reason(anthropic_client, model):
+    message = anthropic_client.messages.create(model=model, messages=QUESTION, max_tokens=2)
     assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 2
 
 
@@ -166,7 +160,7 @@ CHOICES = {"any": {"type": "any"}, "named": {"type": "tool", "name": "get_weathe
 
 
 @pytest.fixture(scope="module")
-def forced(client, model):
+def forced(anthropic_client, model):
     """The answer under a forced tool choice, whole or streamed, each asked for once."""
     answers = {}
 
@@ -181,10 +175,10 @@ def forced(client, model):
                 extra_body=GREEDY,
             )
             if stream:
-                with client.messages.stream(**fields) as s:
+                with anthropic_client.messages.stream(**fields) as s:
                     answers[choice, stream] = s.get_final_message()
             else:
-                answers[choice, stream] = client.messages.create(**fields)
+                answers[choice, stream] = anthropic_client.messages.create(**fields)
         return answers[choice, stream]
 
     return answer
@@ -202,7 +196,7 @@ def test_forced_tool_use_validates(forced, choice, stream):
         jsonschema.validate(block.input, SCHEMAS[block.name])
 
 
-def test_tool_result_is_answered(forced, client, live_server, model):
+def test_tool_result_is_answered(forced, anthropic_client, live_server, model):
     first = forced("named", False)
     (call,) = first.content
     result = {"type": "tool_result", "tool_use_id": call.id, "content": "18 C and sunny"}
@@ -211,12 +205,12 @@ def test_tool_result_is_answered(forced, client, live_server, model):
         {"role": "assistant", "content": [block.model_dump() for block in first.content]},
         {"role": "user", "content": [result]},
     ]
-    second = client.messages.create(
+    second = anthropic_client.messages.create(
         model=model, messages=turns, tools=TOOLS, max_tokens=MAX_TOKENS, extra_body=GREEDY
     )
     assert second.stop_reason in ("end_turn", "max_tokens") and text_of(second)
     # Without tools in the request, the same turns render as chat's tool messages would.
-    counted = client.messages.count_tokens(model=model, messages=turns).input_tokens
+    counted = anthropic_client.messages.count_tokens(model=model, messages=turns).input_tokens
     openai_turns = [
         *WEATHER_QUESTION,
         {
@@ -259,26 +253,26 @@ CONVERSATIONS = {
 
 
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
-def test_count_tokens_equals_usage(client, model, name):
+def test_count_tokens_equals_usage(anthropic_client, model, name):
     """Anthropic's usage splits the prompt into the tokens computed (`input_tokens`) and
     those read from the prefix cache; together they are what count_tokens counts."""
     conversation = CONVERSATIONS[name]
-    counted = client.messages.count_tokens(model=model, **conversation).input_tokens
+    counted = anthropic_client.messages.count_tokens(model=model, **conversation).input_tokens
     # The second time, the prefix cache serves most of the long system prompt.
     for _ in range(2 if name == "system list" else 1):
-        usage = client.messages.create(model=model, max_tokens=1, **conversation).usage
+        usage = anthropic_client.messages.create(model=model, max_tokens=1, **conversation).usage
         reported = usage.input_tokens + usage.cache_read_input_tokens
         assert counted == reported + usage.cache_creation_input_tokens
     if name == "system list":
         assert usage.cache_read_input_tokens > 0 and usage.input_tokens < counted
 
 
-def test_what_claude_code_sends_renders_as_user_turns(client, model):
+def test_what_claude_code_sends_renders_as_user_turns(anthropic_client, model):
     """Its `ctx` and `msg` roles are the user's side; the `thinking` blocks it sends back
     are left out of the prompt."""
 
     def count(messages: list[dict]) -> int:
-        return client.messages.count_tokens(model=model, messages=messages).input_tokens
+        return anthropic_client.messages.count_tokens(model=model, messages=messages).input_tokens
 
     context, question = "The user works in Python.", "What is a list?"
     assert count([{"role": "ctx", "content": context}, {"role": "msg", "content": question}]) == (

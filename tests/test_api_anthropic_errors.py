@@ -28,14 +28,6 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 @pytest.fixture(scope="module")
-def client(live_server):
-    with anthropic.Anthropic(
-        base_url=live_server.base_url, api_key="unused", max_retries=0, timeout=120
-    ) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
 def model(live_server) -> str:
     return live_server.state.model_name
 
@@ -64,9 +56,9 @@ BAD_REQUESTS = {
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
-def test_bad_requests_raise_bad_request_error(client, model, case):
+def test_bad_requests_raise_bad_request_error(anthropic_client, model, case):
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.create(model=model, max_tokens=4, **BAD_REQUESTS[case])
+        anthropic_client.messages.create(model=model, max_tokens=4, **BAD_REQUESTS[case])
     body = info.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
     message = body["error"]["message"]
@@ -75,19 +67,21 @@ def test_bad_requests_raise_bad_request_error(client, model, case):
             assert named in message, message
 
 
-def test_missing_max_tokens_is_a_bad_request(client, model):
+def test_missing_max_tokens_is_a_bad_request(anthropic_client, model):
     # The SDK will not send it without max_tokens; its raw post does, and maps the answer.
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.post("/v1/messages", body={"model": model, "messages": QUESTION}, cast_to=object)
+        anthropic_client.post(
+            "/v1/messages", body={"model": model, "messages": QUESTION}, cast_to=object
+        )
     assert "max_tokens" in info.value.body["error"]["message"]
 
 
-def test_unknown_model_is_not_found(client):
+def test_unknown_model_is_not_found(anthropic_client):
     with pytest.raises(anthropic.NotFoundError) as info:
-        client.messages.create(model="claude-nope", messages=QUESTION, max_tokens=1)
+        anthropic_client.messages.create(model="claude-nope", messages=QUESTION, max_tokens=1)
     assert info.value.body["error"]["type"] == "not_found_error"
     with pytest.raises(anthropic.NotFoundError):
-        client.messages.count_tokens(model="claude-nope", messages=QUESTION)
+        anthropic_client.messages.count_tokens(model="claude-nope", messages=QUESTION)
 
 
 def test_head_probe_and_unknown_routes(live_server):
@@ -222,7 +216,7 @@ def test_a_failure_mid_stream_is_an_error_event(ours_default):
     }
 
 
-def test_access_log_and_metrics_count_messages(client, live_server, model, caplog):
+def test_access_log_and_metrics_count_messages(anthropic_client, live_server, model, caplog):
     caplog.set_level(logging.INFO, logger="llamaserve.access")
 
     def generated() -> float:
@@ -231,7 +225,7 @@ def test_access_log_and_metrics_count_messages(client, live_server, model, caplo
         return float(found.group(1))
 
     before = generated()
-    message = client.messages.create(
+    message = anthropic_client.messages.create(
         model=model, messages=QUESTION, max_tokens=3, extra_headers={"X-Request-Id": "logged-msg"}
     )
     prompt = message.usage.input_tokens + message.usage.cache_read_input_tokens

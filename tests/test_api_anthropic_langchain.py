@@ -6,25 +6,11 @@ GGUF, whose own ChatML template renders the tools."""
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel, Field
 
 from tests.live_server import running_server
+from tests.tool_schemas import City, Multiply
 
 langchain_anthropic = pytest.importorskip("langchain_anthropic")
-
-
-class City(BaseModel):
-    """A city and the country it is in."""
-
-    name: str = Field(max_length=16)
-    country: str = Field(max_length=16)
-
-
-class Multiply(BaseModel):
-    """Multiply two integers."""
-
-    a: int = Field(ge=-1000, le=1000)
-    b: int = Field(ge=-1000, le=1000)
 
 
 def chat_model(base_url: str, model: str):

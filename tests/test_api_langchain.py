@@ -5,23 +5,10 @@ choice returns a tool call whose arguments validate."""
 from __future__ import annotations
 
 import pytest
-from pydantic import BaseModel, Field
+
+from tests.tool_schemas import City, Multiply
 
 langchain_openai = pytest.importorskip("langchain_openai")
-
-
-class City(BaseModel):
-    """A city and the country it is in."""
-
-    name: str = Field(max_length=16)
-    country: str = Field(max_length=16)
-
-
-class Multiply(BaseModel):
-    """Multiply two integers."""
-
-    a: int = Field(ge=-1000, le=1000)
-    b: int = Field(ge=-1000, le=1000)
 
 
 @pytest.fixture(scope="module")
