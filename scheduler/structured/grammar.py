@@ -111,9 +111,13 @@ def constrain_guesses(rows: list[tuple[DraftGrammar, list[int]]]) -> list[np.nda
     allowed = [grammar.allowed_guesses(guesses) for grammar, guesses in rows]
     width = max(grammar.width for grammar, _ in rows)
     matchers = [grammar.matcher for grammar, _ in rows]
-    bitmask = fill_bitmask(rows[0][0].executor, matchers, allowed, width)
+    return split_rows(fill_bitmask(rows[0][0].executor, matchers, allowed, width), allowed)
+
+
+def split_rows(bitmask: np.ndarray, guesses: list[list[int]]) -> list[np.ndarray]:
+    """`fill_bitmask`'s rows, cut back into each sequence's: one, and one per guess."""
     out, first = [], 0
-    for guesses in allowed:
-        out.append(bitmask[first : first + 1 + len(guesses)])
-        first += 1 + len(guesses)
+    for tokens in guesses:
+        out.append(bitmask[first : first + 1 + len(tokens)])
+        first += 1 + len(tokens)
     return out

@@ -20,7 +20,7 @@ import llguidance
 import numpy as np
 
 from scheduler.step_data import DRAFT_SLOT, ScheduledRequest
-from scheduler.structured.grammar import DraftGrammar, Grammar, fill_bitmask
+from scheduler.structured.grammar import DraftGrammar, Grammar, fill_bitmask, split_rows
 
 logger = logging.getLogger(__name__)
 
@@ -81,10 +81,8 @@ class StructuredOutputManager:
             return
         guesses = [s.draft_token_ids for s in rows]
         bitmask = self.fill_bitmask([s.request_id for s in rows], guesses)
-        first = 0
-        for row in rows:
-            row.token_bitmask = bitmask[first : first + 1 + len(row.draft_token_ids)]
-            first += 1 + len(row.draft_token_ids)
+        for row, part in zip(rows, split_rows(bitmask, guesses), strict=True):
+            row.token_bitmask = part
 
     def allowed_guesses(self, request_id: str, tokens: list[int]) -> list[int]:
         """The leading guesses the grammar allows: verifying any after the first it refuses
