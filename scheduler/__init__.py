@@ -29,7 +29,6 @@ from scheduler.sampling_params import (
     ROW_FIELDS,
     InvalidParams,
     SamplingParams,
-    resolve_max_tokens,
 )
 from scheduler.spec.speculation import SpeculativeConfig, SpeculativeConfigError
 from scheduler.stats import FinishedStats, StepStats
@@ -65,7 +64,6 @@ __all__ = [
     "TokenLogprob",
     "WorkerSpec",
     "create_engine",
-    "resolve_max_tokens",
     "serve_steps",
 ]
 

@@ -8,6 +8,7 @@ Nothing here runs a model, touches KV blocks or imports torch.
 from __future__ import annotations
 
 import enum
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -51,12 +52,16 @@ class Request:
     # Speculative decoding: the verdicts on its guesses, older ones faded
     # (scheduler/spec/length.py).
     acceptance: Acceptance = field(default_factory=Acceptance)
+    # The output length that ends it: params.max_tokens, or what the context leaves where
+    # that is None; the scheduler sets it on admission (`resolve_max_tokens`).
+    max_tokens: int = field(init=False)
     # prompt + outputs, kept as one list: the scheduler and the batch read it every step,
     # and concatenating a long context per request per step is wasted copying.
     all_token_ids: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_ids + self.output_ids
+        self.max_tokens = self.params.max_tokens or sys.maxsize
 
     def append_output(self, token_id: int) -> None:
         self.output_ids.append(token_id)

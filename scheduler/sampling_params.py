@@ -61,7 +61,9 @@ def _param(default: Any, limits: Range | None = None, *, row: bool = False) -> A
 
 @dataclass
 class SamplingParams:
-    max_tokens: int = _param(16, Range(1))
+    # None: up to the context length. The scheduler resolves it against the prompt when it
+    # admits the request (`resolve_max_tokens`, the one place the rule is checked).
+    max_tokens: int | None = _param(16, Range(1))
     temperature: float = _param(1.0, Range(0.0, 2.0), row=True)
     top_p: float = _param(1.0, Range(0.0, 1.0, low_open=True), row=True)
     top_k: int = _param(0, Range(-1, hint="-1 (off), 0 (off) or positive"), row=True)
@@ -95,7 +97,7 @@ class SamplingParams:
         for name in RANGES:
             check_range(name, getattr(self, name))
         check(
-            self.min_tokens <= self.max_tokens,
+            self.max_tokens is None or self.min_tokens <= self.max_tokens,
             "min_tokens",
             f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})",
         )
@@ -155,32 +157,25 @@ def check_range(name: str, value: float | None, param: str | None = None) -> Non
         raise InvalidParams(param, f"{param} must be {RANGES[name].describe()}, got {value}")
 
 
-def resolve_max_tokens(
-    requested: int | None,
-    num_prompt_tokens: int,
-    max_model_len: int,
-    param: str = "max_tokens",
-    prompt_param: str = "prompt",
-) -> int:
+def resolve_max_tokens(requested: int | None, num_prompt_tokens: int, max_model_len: int) -> int:
     """The context-length rule, in its one home: prompt plus output must fit in
-    max_model_len. None means 'up to the context length', as vLLM does. `param` and
-    `prompt_param` name the client's fields in the error."""
+    max_model_len. None means 'up to the context length', as vLLM does. The server names
+    the client's own fields in the error (server/routes/engine_inputs.py)."""
     if num_prompt_tokens < 1:
-        raise InvalidParams(prompt_param, "the prompt is empty")
+        raise InvalidParams("prompt", "the prompt is empty")
     if num_prompt_tokens >= max_model_len:
         raise InvalidParams(
-            prompt_param,
+            "prompt",
             f"this model's maximum context length is {max_model_len} tokens, but the prompt "
             f"has {num_prompt_tokens} tokens",
         )
     if requested is None:
         return max_model_len - num_prompt_tokens
-    check_range("max_tokens", requested, param)
     if num_prompt_tokens + requested > max_model_len:
         raise InvalidParams(
-            param,
+            "max_tokens",
             f"this model's maximum context length is {max_model_len} tokens, but "
-            f"{num_prompt_tokens} prompt tokens and {param}={requested} make "
+            f"{num_prompt_tokens} prompt tokens and max_tokens={requested} make "
             f"{num_prompt_tokens + requested}",
         )
     return requested

@@ -70,9 +70,11 @@ class Scheduler:
         InvalidParams having queued nothing."""
         if len(self.waiting) >= self.config.max_waiting:
             raise QueueFull(f"the waiting queue is full ({self.config.max_waiting} requests)")
-        resolve_max_tokens(
+        limit = resolve_max_tokens(
             first.params.max_tokens, len(first.prompt_ids), self.config.max_model_len
         )
+        for req in [first, *(siblings or [])]:
+            req.max_tokens = limit
         self.waiting.append(first)
         if siblings:
             self.forks_pending[first.request_id] = siblings
@@ -272,7 +274,7 @@ class Scheduler:
     def _stop_reason(self, req: Request, token_id: int) -> str | None:
         if req.may_stop and token_id in req.stop_token_ids:
             return "stop"
-        if len(req.output_ids) >= req.params.max_tokens:
+        if len(req.output_ids) >= req.max_tokens:
             return "length"
         if req.num_tokens >= self.config.max_model_len:
             return "length"

@@ -76,6 +76,14 @@ def test_missing_max_tokens_is_a_bad_request(anthropic_client, model):
     assert "max_tokens" in info.value.body["error"]["message"]
 
 
+def test_max_tokens_past_the_context_names_the_messages_field(anthropic_client, model):
+    # The scheduler checks the context length on admission, in its own field names.
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(model=model, max_tokens=10**6, messages=QUESTION)
+    message = info.value.body["error"]["message"]
+    assert "max_tokens=1000000" in message and "max_completion_tokens" not in message, message
+
+
 def test_unknown_model_is_not_found(anthropic_client):
     with pytest.raises(anthropic.NotFoundError) as info:
         anthropic_client.messages.create(model="claude-nope", messages=QUESTION, max_tokens=1)

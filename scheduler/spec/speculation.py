@@ -238,7 +238,7 @@ def draft_tokens(
         config.num_speculative_tokens,
         room,
         # The last guess accepted still leaves its bonus token within both lengths.
-        req.params.max_tokens - len(req.output_ids) - 1,
+        req.max_tokens - len(req.output_ids) - 1,
         max_model_len - req.num_tokens - 1,
     )
     if limit < 1:

@@ -14,7 +14,7 @@ from typing import Any
 from model.text.chat_template import ChatTemplateError
 from scheduler import SamplingParams
 from server.edge.errors import APIError
-from server.routes.engine_inputs import checked_max_tokens, sampling_params
+from server.routes.engine_inputs import sampling_params
 from server.routes.protocol import ChatCompletionRequest, ChatMessage, Tool
 from server.state import ServerState
 from server.structured.output_constraint import compile_constraint, request_grammar
@@ -27,6 +27,8 @@ class ChatInputs:
     prompt_ids: list[int]
     params: SamplingParams
     tools: ToolPlan | None  # None: the answer is content only
+    # The client's names for the scheduler's fields, for the errors of admission.
+    names: dict[str, str]
 
 
 def render_chat(
@@ -82,7 +84,7 @@ async def chat_inputs(
         req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     )
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = checked_max_tokens(requested, len(ids), state, param)
+    names = {"max_tokens": param, "prompt": "messages"}
     n_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     if plan is not None and plan.enforced:
         if req.response_format is not None and req.response_format.type != "text":
@@ -95,5 +97,5 @@ async def chat_inputs(
         grammar = await request_grammar(
             req.response_format, req.structured_outputs, state, request_id
         )
-    params = sampling_params(req, max_tokens, n_logprobs, state, grammar=grammar)
-    return ChatInputs(ids, params, plan)
+    params = sampling_params(req, requested, n_logprobs, state, grammar=grammar, names=names)
+    return ChatInputs(ids, params, plan, names)

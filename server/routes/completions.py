@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from scheduler import RequestOutput, TokenLogprob
 from server.edge.errors import APIError, error_body
-from server.routes.engine_inputs import check_token_ids, checked_max_tokens, sampling_params
+from server.routes.engine_inputs import check_token_ids, sampling_params
 from server.routes.protocol import CompletionPrompt, CompletionRequest
 from server.routes.streaming import admit, merge, sse, unless_disconnected
 from server.routes.usage import usage
@@ -75,19 +75,17 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     if req.suffix:
         raise APIError(400, "suffix is not supported", "suffix")
     prompts = prompt_ids(req.prompt, state)
-    max_tokens_field = req.max_tokens
     grammar = await request_grammar(
         req.response_format, req.structured_outputs, state, raw.state.request_id
     )
-    jobs = []
     rid = raw.state.request_id
-    for i, ids in enumerate(prompts):
-        max_tokens = checked_max_tokens(max_tokens_field, len(ids), state, "max_tokens")
-        prompt_logprobs = req.logprobs if req.echo else None
-        params = sampling_params(
-            req, max_tokens, req.logprobs, state, prompt_logprobs, grammar=grammar
-        )
-        jobs.append((f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params))
+    prompt_logprobs = req.logprobs if req.echo else None
+    params = sampling_params(
+        req, req.max_tokens, req.logprobs, state, prompt_logprobs, grammar=grammar
+    )
+    jobs = [
+        (f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params) for i, ids in enumerate(prompts)
+    ]
     raw.state.prompt_tokens = sum(len(ids) for ids in prompts)
     streams = await admit(state, jobs)
     header = {

@@ -1,13 +1,13 @@
 """From an OpenAI request to engine inputs: prompt token ids checked against the
-vocabulary and the context length, and `SamplingParams` with every out-of-range field
-answered as a 400 that names it.
+vocabulary, and `SamplingParams` with every out-of-range field answered as a 400 that
+names it (the context-length rule is the scheduler's, checked when it admits).
 
 It never admits a request: it only builds and checks what admission is handed.
 """
 
 from __future__ import annotations
 
-from scheduler import ROW_FIELDS, Grammar, InvalidParams, SamplingParams, resolve_max_tokens
+from scheduler import ROW_FIELDS, Grammar, InvalidParams, SamplingParams
 from server.edge.errors import APIError
 from server.routes.protocol import MAX_STOP_STRINGS, SamplingFields
 from server.state import ServerState
@@ -23,25 +23,27 @@ def check_token_ids(ids: list[int], state: ServerState, param: str) -> None:
         )
 
 
-def checked_max_tokens(
-    requested: int | None, num_prompt: int, state: ServerState, param: str
-) -> int:
-    """The scheduler's context-length rule, answered as a 400 naming the client's field."""
-    prompt_param = "messages" if param == "max_completion_tokens" else "prompt"
-    try:
-        return resolve_max_tokens(requested, num_prompt, state.max_model_len, param, prompt_param)
-    except InvalidParams as exc:
-        raise APIError(400, str(exc), exc.param) from None
+def client_error(exc: InvalidParams, names: dict[str, str] | None = None) -> APIError:
+    """The scheduler's refusal as a 400 naming the client's field: `names` maps the
+    scheduler's field names (`max_tokens`, `prompt`) to the ones this request used."""
+    param = (names or {}).get(exc.param, exc.param)
+    message = str(exc)
+    for said in ("=", " must"):  # where the message spells the field itself
+        message = message.replace(exc.param + said, param + said)
+    return APIError(400, message, param)
 
 
 def sampling_params(
     req: SamplingFields,
-    max_tokens: int,
+    max_tokens: int | None,
     logprobs: int | None,
     state: ServerState,
     prompt_logprobs: int | None = None,
     grammar: Grammar | None = None,
+    names: dict[str, str] | None = None,
 ) -> SamplingParams:
+    """The request's `SamplingParams`; `max_tokens` as the client sent it (None: up to the
+    context), for the scheduler checks it against the prompt on admission."""
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stop) > MAX_STOP_STRINGS:
         raise APIError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings", "stop")
@@ -82,4 +84,4 @@ def sampling_params(
             vocab_size=state.vocab_size,
         )
     except InvalidParams as exc:
-        raise APIError(400, str(exc), exc.param) from None
+        raise client_error(exc, names) from None

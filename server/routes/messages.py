@@ -39,10 +39,10 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
     rid = raw.state.request_id
     try:
         inputs = await chat_inputs(chat_request(req), state, rid)
+        raw.state.prompt_tokens = len(inputs.prompt_ids)
+        (stream,) = await admit(state, [(rid, inputs.prompt_ids, inputs.params)], inputs.names)
     except APIError as exc:
         raise renamed(exc) from None
-    raw.state.prompt_tokens = len(inputs.prompt_ids)
-    (stream,) = await admit(state, [(rid, inputs.prompt_ids, inputs.params)])
     finish = Finish(state.tokenizer, inputs.params.stop, len(inputs.prompt_ids))
     message_id = f"msg_{rid}"
     if req.stream:

@@ -25,17 +25,17 @@ from server.structured.tool_calls import ToolPlan, parse_tool_calls
 
 
 async def create_response(req: ResponsesRequest, raw: Request, state: ServerState) -> Any:
+    rid = raw.state.request_id
     try:
         chat = chat_request(req)
-        inputs = await chat_inputs(chat, state, raw.state.request_id)
+        inputs = await chat_inputs(chat, state, rid)
+        raw.state.prompt_tokens = len(inputs.prompt_ids)
+        (stream,) = await admit(state, [(rid, inputs.prompt_ids, inputs.params)], inputs.names)
     except APIError as exc:
         # The chat path names its own fields; the client sent the Responses API's.
         param = RESPONSES_PARAMS.get(exc.param or "", exc.param)
         message = exc.message.replace(f"{exc.param}:", f"{param}:") if exc.param else exc.message
-        raise APIError(exc.status, message, param, exc.code) from None
-    rid = raw.state.request_id
-    raw.state.prompt_tokens = len(inputs.prompt_ids)
-    (stream,) = await admit(state, [(rid, inputs.prompt_ids, inputs.params)])
+        raise APIError(exc.status, message, param, exc.code, exc.headers) from None
     shell = _shell(req, f"resp_{rid}", state, inputs)
     if req.stream:
         events = response_events(raw, stream, shell, inputs)

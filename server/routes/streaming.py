@@ -24,6 +24,7 @@ from scheduler import (
     SamplingParams,
 )
 from server.edge.errors import APIError
+from server.routes.engine_inputs import client_error
 from server.state import ServerState
 
 T = TypeVar("T")
@@ -31,8 +32,12 @@ RETRY_AFTER_S = "1"
 
 
 async def admit(
-    state: ServerState, jobs: list[tuple[str, list[int], SamplingParams]]
+    state: ServerState,
+    jobs: list[tuple[str, list[int], SamplingParams]],
+    names: dict[str, str] | None = None,
 ) -> list[RequestStream]:
+    """Admits every job or none; a refusal becomes the client's error (`names`: the
+    client's names for the scheduler's fields, as `client_error` takes them)."""
     # All at once: the engine thread takes its whole inbox between two steps, so a call of
     # many prompts or inputs is admitted in one round trip rather than a step each.
     added = [state.engine.add_request(request_id, ids, params) for request_id, ids, params in jobs]
@@ -55,7 +60,7 @@ async def admit(
                 503, "the engine is not running", headers={"Retry-After": RETRY_AFTER_S}
             ) from None
         if isinstance(exc, InvalidParams):
-            raise APIError(400, str(exc), exc.param) from None
+            raise client_error(exc, names) from None
         raise exc
     return streams
 
