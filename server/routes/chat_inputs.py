@@ -90,7 +90,7 @@ async def chat_inputs(
                 400, "response_format cannot be combined with a required tool call", "tool_choice"
             )
         constraint = ("lark", tool_grammar(plan))
-        grammar = await compile_constraint(constraint, "tools", state, request_id)
+        grammar = await compile_constraint(constraint, "tools", state, request_id, answer_only=True)
     else:
         grammar = await request_grammar(
             req.response_format, req.structured_outputs, state, request_id
