@@ -75,6 +75,16 @@ QWEN3_TEMPLATE = """\
 {%- endif %}
 """
 
+# DeepSeek-R1's distills: earlier answers lose their think block, and the generation
+# prompt opens one, so the model's output begins inside it.
+R1_TEMPLATE = (
+    "{% for message in messages %}{% if message.role == 'user' %}"
+    "{{ '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}{% else %}"
+    "{% set content = message.content.split('</think>')[-1] %}"
+    "{{ '<|im_start|>assistant\\n' + content + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n' }}{% endif %}"
+)
+
 MARKUP = [("<|im_start|>", True), ("<|im_end|>", True), ("<think>", False), ("</think>", False)]
 
 

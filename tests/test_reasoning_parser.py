@@ -17,7 +17,7 @@ from server.routes.protocol import FunctionDefinition, Tool
 from server.structured.grammar import GrammarCompiler
 from server.structured.tool_calls import HERMES, ToolPlan
 from tests.chat_templates import CHATML_TOOLS
-from tests.qwen3_reasoner import QWEN3_TEMPLATE, make_tiny_qwen3_reasoner
+from tests.qwen3_reasoner import QWEN3_TEMPLATE, R1_TEMPLATE, make_tiny_qwen3_reasoner
 
 QWEN3, R1 = FORMATS["qwen3"], FORMATS["deepseek_r1"]
 
@@ -76,20 +76,11 @@ def test_a_call_written_while_thinking_is_reasoning() -> None:
     assert not any(d.get("content") for d in deltas)
 
 
-R1_DISTILL = (
-    "{% for message in messages %}{% if message.role == 'user' %}"
-    "{{ '<｜User｜>' + message.content }}{% else %}"
-    "{% set content = message.content.split('</think>')[-1] %}"
-    "{{ '<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<｜Assistant｜><think>\\n' }}{% endif %}"
-)
-
-
 @pytest.mark.parametrize(
     ("template", "expected"),
     [
         (QWEN3_TEMPLATE, "qwen3"),
-        (R1_DISTILL, "deepseek_r1"),
+        (R1_TEMPLATE, "deepseek_r1"),
         (CHATML_TOOLS, None),
         # One tag and no enable_thinking: not plain enough to guess.
         ("{% for m in messages %}<think>{{ m.content }}{% endfor %}", None),
