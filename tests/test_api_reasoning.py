@@ -70,6 +70,13 @@ def think_tokens(logprobs) -> int:
     return 0
 
 
+def think_bias(server) -> dict[str, int]:
+    """Logit biases that open the think block first and close it at once: the grammar
+    forbids `</think>` before `<think>`, and past it the bigger bias wins."""
+    tok = server.state.tokenizer
+    return {str(tok.encode("<think>")[0]): 50, str(tok.encode("</think>")[0]): 100}
+
+
 def test_the_auto_parser_is_qwen3(server) -> None:
     assert server.state.reasoning is not None and server.state.reasoning.name == "qwen3"
 
@@ -149,9 +156,8 @@ def test_a_tool_call_is_parsed_after_the_think_block(client) -> None:
 
 def test_response_format_applies_after_the_think_block(client, server) -> None:
     """Without a parser the schema would forbid `<think>`; with it the block is free and
-    the JSON follows. The biases make the model open and close the block at once."""
-    tok = server.state.tokenizer
-    bias = {str(tok.encode(tag)[0]): 100 for tag in ("<think>", "</think>")}
+    the JSON follows."""
+    bias = think_bias(server)
     schema = {
         "type": "object",
         "properties": {"a": {"enum": ["x", "y"]}},
@@ -168,6 +174,21 @@ def test_response_format_applies_after_the_think_block(client, server) -> None:
     )
     assert reply.usage.completion_tokens_details.reasoning_tokens == 2  # <think></think>
     assert json.loads(reply.choices[0].message.content)["a"] in ("x", "y")
+
+
+def test_a_required_call_follows_the_think_block(client, server) -> None:
+    bias = think_bias(server)
+    reply = client.chat.completions.create(
+        model="m", messages=USER, max_tokens=200, temperature=0, logit_bias=bias,
+        tools=[WEATHER_TOOL], tool_choice="required",
+    )  # fmt: skip
+    choice = reply.choices[0]
+    assert reply.usage.completion_tokens_details.reasoning_tokens == 2  # <think></think>
+    assert choice.finish_reason in ("tool_calls", "length")
+    calls = choice.message.tool_calls
+    assert calls and {call.function.name for call in calls} == {"get_weather"}
+    if choice.finish_reason == "tool_calls":
+        assert all(isinstance(json.loads(c.function.arguments), dict) for c in calls)
 
 
 def test_langchain_reads_the_answer_and_the_think_tokens(server) -> None:

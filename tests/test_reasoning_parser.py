@@ -120,6 +120,7 @@ SCHEMA = json.dumps({"type": "object", "properties": {"a": {"type": "integer"}},
         (QWEN3, '{"a": 1}', True),  # no think block at all
         (QWEN3, "<think>x</think>\n\nplain words", False),
         (QWEN3, '<think>x</think>{"a": 1}</think>', False),
+        (QWEN3, '<think>x</think>\n\n\n{"a": 1}', False),  # no padding past two blanks
         (R1, 'thinking {"a": 1}</think>\n\n{"a": 2}', True),
         (R1, '{"a": 1}', False),  # the prompt opened the block: it must close first
     ],
@@ -129,5 +130,8 @@ def test_the_answer_grammar_leaves_the_think_block_free(compiler, fmt, text, acc
     matcher = grammars.compile_sync("json", SCHEMA, after=fmt).new_matcher()
     ok = matcher.consume_tokens(tokenizer.encode(text)) and matcher.is_accepting()
     assert bool(ok) == accepted
+    lark = grammars.compile_sync("lark", 'start: "{\\"a\\": 1}"', after=fmt).new_matcher()
+    ok = lark.consume_tokens(tokenizer.encode(text)) and lark.is_accepting()
+    assert bool(ok) == (accepted and text.endswith('{"a": 1}'))
     plain = grammars.compile_sync("json", SCHEMA).new_matcher()  # without a parser: as before
     assert not plain.consume_tokens(tokenizer.encode("<think>x</think>")) or plain.is_error()

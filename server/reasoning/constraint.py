@@ -6,13 +6,14 @@ would forbid the block (or force the JSON into it). So the compiled grammar is w
 a new start rule lets the think block through (optional where the model opens it itself,
 required where the prompt has opened it), then hands over to the original grammar,
 which llguidance keeps as a named sub-grammar. The block is one lexeme that ends at the
-first end tag (and the whitespace after it), so nothing inside it is ever constrained.
+first end tag (and up to two blanks after it), so nothing inside it is ever constrained.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any
 
 from server.reasoning.formats import ReasoningFormat
 
@@ -24,9 +25,9 @@ def _lark_text(tag: str) -> str:
 
 
 def after_think_block(source: str, fmt: ReasoningFormat) -> str:
-    """llguidance's top-level grammar `source` (`{"grammars": [...]}`) with the think block
-    allowed before it."""
-    top = json.loads(source)
+    """A grammar source as llguidance takes it (a top-level `{"grammars": [...]}` or Lark
+    text) with the think block allowed before it."""
+    top = _top_level(source)
     grammars = top["grammars"]
     first = grammars[0]
     if not first.get("name"):
@@ -35,8 +36,20 @@ def after_think_block(source: str, fmt: ReasoningFormat) -> str:
     opening = f"({start})?" if fmt.starts_inside else start
     # `&` and `~` are llguidance's intersection and complement: the block ends at the
     # first end tag, so a second one can only be the answer's.
-    block = f"/{opening}(?s:.*){end}[ \\n]*/ & ~/(?s:.*){end}(?s:.*){end}(?s:.*)/"
+    # At most two blank characters after the block (models write `</think>\n\n`): with free
+    # whitespace there a small model can pad until max_tokens, as with free JSON layout.
+    block = f"/{opening}(?s:.*){end}[ \\n]{{0,2}}/ & ~/(?s:.*){end}(?s:.*){end}(?s:.*)/"
     think = "think" if fmt.starts_inside else "think?"
     wrapper = f"start: {think} @{first['name']}\nthink: THINK\nTHINK: {block}\n"
     top["grammars"] = [{"lark_grammar": wrapper}, *grammars]
     return json.dumps(top)
+
+
+def _top_level(source: str) -> dict[str, Any]:
+    try:
+        top = json.loads(source)
+    except ValueError:
+        top = None
+    if isinstance(top, dict) and isinstance(top.get("grammars"), list):
+        return top
+    return {"grammars": [{"lark_grammar": source}]}
