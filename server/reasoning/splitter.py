@@ -30,7 +30,6 @@ class ReasoningSplitter:
     def __init__(self, fmt: ReasoningFormat) -> None:
         self.fmt = fmt
         self.phase = Phase.OPENING
-        self.opened = False  # a think block was found (or begun by the prompt)
         self.reasoning_tokens = 0
         self._pending = ""
         self._undecided_tokens = 0  # tokens held while OPENING
@@ -63,11 +62,11 @@ class ReasoningSplitter:
             stripped = pending.lstrip()
             if stripped.startswith(fmt.start_tag):
                 self._pending = stripped[len(fmt.start_tag) :]
-                self.phase, self.opened = Phase.INSIDE, True
+                self.phase = Phase.INSIDE
             elif not final and fmt.start_tag.startswith(stripped):
                 return  # whitespace, or the start tag's beginning: wait for more
             elif fmt.starts_inside:
-                self.phase, self.opened = Phase.INSIDE, True
+                self.phase = Phase.INSIDE
             else:
                 self.phase = Phase.CONTENT
         elif self.phase is Phase.INSIDE:
