@@ -176,6 +176,16 @@ def test_response_format_applies_after_the_think_block(client, server) -> None:
     assert json.loads(reply.choices[0].message.content)["a"] in ("x", "y")
 
 
+def test_a_completion_is_held_to_response_format_from_its_first_token(server) -> None:
+    """No parser splits a completion's text, so no think block may come before the JSON."""
+    body = {
+        "prompt": "Answer:", "max_tokens": 30, "temperature": 0,
+        "logit_bias": think_bias(server), "response_format": {"type": "json_object"},
+    }  # fmt: skip
+    text = httpx.post(f"{server.v1}/completions", json=body).json()["choices"][0]["text"]
+    assert text.startswith("{")  # not "<think>", which the bias would pick if it could
+
+
 def test_a_required_call_follows_the_think_block(client, server) -> None:
     bias = think_bias(server)
     reply = client.chat.completions.create(

@@ -93,7 +93,7 @@ async def chat_inputs(
         grammar = await compile_constraint(constraint, "tools", state, request_id, answer_only=True)
     else:
         grammar = await request_grammar(
-            req.response_format, req.structured_outputs, state, request_id
+            req.response_format, req.structured_outputs, state, request_id, chat=True
         )
     params = sampling_params(req, max_tokens, n_logprobs, state, grammar=grammar)
     return ChatInputs(ids, params, plan)
