@@ -12,6 +12,7 @@ from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
 from model.text.wordpiece import WordPieceTokenizer
 from scheduler import AsyncEngine
+from server.reasoning.formats import ReasoningFormat
 from server.structured.grammar import GrammarCompiler
 
 
@@ -38,6 +39,7 @@ class ServerState:
     fingerprint: str = "fp_llamaserve"
     extra_model_names: list[str] = field(default_factory=list)
     embedding: EmbeddingSpec | None = None  # set: the model embeds and generates nothing
+    reasoning: ReasoningFormat | None = None  # --reasoning-parser: how think blocks look
     grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:

@@ -208,7 +208,8 @@ class _FailingStream:
 
 def test_a_failure_mid_stream_is_an_error_event(ours_default):
     finish = Finish(ours_default.tokenizer, [], 4)
-    events = message_events(SimpleNamespace(), _FailingStream(), "msg_x", "m", finish, None)
+    state = SimpleNamespace(model_name="m", reasoning=None)
+    events = message_events(SimpleNamespace(), _FailingStream(), "msg_x", state, finish, None)
 
     async def collect() -> list[str]:
         return [chunk async for chunk in events]

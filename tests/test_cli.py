@@ -168,3 +168,15 @@ def test_embedding_flags_that_cannot_apply_are_one_sentence(capsys):
         assert main(args) == 2
         stderr = capsys.readouterr().err
         assert message in stderr and "Traceback" not in stderr
+
+
+def test_reasoning_parser_flag(capsys):
+    from server.startup.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).reasoning_parser == "auto"
+    chosen = parser.parse_args(["serve", "--reasoning-parser", "deepseek_r1"])
+    assert chosen.reasoning_parser == "deepseek_r1"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--reasoning-parser", "granite"])
+    assert "--reasoning-parser" in capsys.readouterr().err

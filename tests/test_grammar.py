@@ -57,10 +57,10 @@ def test_a_slow_compilation_is_refused_and_others_go_on(compiler, monkeypatch):
     release = threading.Event()
     build = compiler._build
 
-    def slow_build(kind, spec):
+    def slow_build(kind, spec, after):
         if spec == '"slow"':
             release.wait(10)
-        return build(kind, spec)
+        return build(kind, spec, after)
 
     monkeypatch.setattr(compiler, "_build", slow_build)
     compiler.timeout_s = 0.5
@@ -79,7 +79,7 @@ def test_a_slow_compilation_is_refused_and_others_go_on(compiler, monkeypatch):
 def test_concurrent_requests_share_one_compilation(compiler, monkeypatch):
     calls = []
     build = compiler._build
-    monkeypatch.setattr(compiler, "_build", lambda k, s: calls.append(s) or build(k, s))
+    monkeypatch.setattr(compiler, "_build", lambda k, s, a: calls.append(s) or build(k, s, a))
 
     async def many():
         return await asyncio.gather(*(compiler.compile("regex", "x+y") for _ in range(8)))

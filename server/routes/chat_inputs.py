@@ -92,10 +92,10 @@ async def chat_inputs(
                 400, "response_format cannot be combined with a required tool call", "tool_choice"
             )
         constraint = ("lark", tool_grammar(plan))
-        grammar = await compile_constraint(constraint, "tools", state, request_id)
+        grammar = await compile_constraint(constraint, "tools", state, request_id, answer_only=True)
     else:
         grammar = await request_grammar(
-            req.response_format, req.structured_outputs, state, request_id
+            req.response_format, req.structured_outputs, state, request_id, chat=True
         )
     params = sampling_params(req, requested, n_logprobs, state, grammar=grammar, names=names)
     return ChatInputs(ids, params, plan, names)

@@ -18,6 +18,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.edge.errors import APIError
+from server.reasoning.answer import AnswerParts
 from server.routes.chat_inputs import ChatInputs, chat_inputs, chat_prompt
 from server.routes.completions import SSE_HEADERS
 from server.routes.guards import check_generates
@@ -46,7 +47,7 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
     finish = Finish(state.tokenizer, inputs.params.stop, len(inputs.prompt_ids))
     message_id = f"msg_{rid}"
     if req.stream:
-        events = message_events(raw, stream, message_id, state.model_name, finish, inputs.tools)
+        events = message_events(raw, stream, message_id, state, finish, inputs.tools)
         return StreamingResponse(events, media_type="text/event-stream", headers=SSE_HEADERS)
     return await unless_disconnected(raw, _collect(raw, stream, message_id, state, finish, inputs))
 
@@ -59,12 +60,14 @@ async def _collect(
     finish: Finish,
     inputs: ChatInputs,
 ) -> JSONResponse:
+    parts = AnswerParts(state.reasoning)
     async for _, out in merge([stream]):
         if out.error is not None:
             raise APIError(500, f"generation failed: {out.error}")
         finish.add(out)
+        parts.add(out.new_text, len(out.new_token_ids), out.finished)
     raw.state.completion_tokens = finish.output_tokens
-    blocks = content_blocks(finish.text, inputs.tools)
+    blocks = content_blocks(parts, inputs.tools)
     stop_reason, stop_sequence = finish.stop(any(b["type"] == "tool_use" for b in blocks))
     body = message_shell(message_id, state.model_name, finish.usage())
     body.update(content=blocks, stop_reason=stop_reason, stop_sequence=stop_sequence)

@@ -1,5 +1,7 @@
 """The pieces of a Messages API answer, shared by the whole and the streamed form: the
-message shell, content blocks (`text`, `tool_use`), the stop reason, and usage.
+message shell, content blocks (`thinking` for the think block under a reasoning parser,
+`text`, `tool_use`), the stop reason, and usage. A thinking block's `signature` is empty:
+nothing here signs it, and a client that sends the block back has it skipped.
 
 Usage follows Anthropic's arithmetic: `input_tokens` are the prompt tokens computed for
 this request, `cache_read_input_tokens` those the prefix cache served instead, so the two
@@ -16,6 +18,7 @@ from typing import Any
 
 from model.text.tokenizer import Tokenizer
 from scheduler import RequestOutput
+from server.reasoning.answer import AnswerParts
 from server.structured.tool_calls import ToolPlan, parse_tool_calls
 
 STOP_REASONS = {"length": "max_tokens"}
@@ -57,9 +60,15 @@ def tool_input(arguments: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def content_blocks(text: str, plan: ToolPlan | None) -> list[dict[str, Any]]:
+def thinking_block(text: str) -> dict[str, Any]:
+    return {"type": "thinking", "thinking": text, "signature": ""}
+
+
+def content_blocks(parts: AnswerParts, plan: ToolPlan | None) -> list[dict[str, Any]]:
+    text = parts.content
     content, calls = (text, []) if plan is None else parse_tool_calls(text, plan)
-    blocks: list[dict[str, Any]] = [{"type": "text", "text": content}] if content else []
+    blocks = [thinking_block(parts.reasoning)] if parts.reasoning is not None else []
+    blocks += [{"type": "text", "text": content}] if content else []
     for call in calls:
         block = {"type": "tool_use", "id": new_tool_use_id(), "name": call.name}
         blocks.append({**block, "input": tool_input(call.arguments)})

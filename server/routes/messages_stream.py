@@ -1,7 +1,8 @@
 """A streamed `/v1/messages` answer as Anthropic's named SSE events, in its order:
 `message_start` (its usage already counting the input), then per content block
-`content_block_start`, its deltas (`text_delta`, or `input_json_delta` for a tool's
-input) and `content_block_stop`, a `ping` after the first block opens, `message_delta`
+`content_block_start`, its deltas (`thinking_delta` and an empty `signature_delta` for
+the think block, `text_delta`, or `input_json_delta` for a tool's input) and
+`content_block_stop`, a `ping` after the first block opens, `message_delta`
 (stop reason, output tokens) and `message_stop`. No `[DONE]`; a failure is an `error`
 event.
 
@@ -21,10 +22,11 @@ from fastapi import Request
 
 from scheduler import RequestStream
 from server.edge.anthropic_errors import anthropic_error_body
-from server.routes.messages_reply import Finish, message_shell, new_tool_use_id
+from server.reasoning.answer import AnswerStream
+from server.routes.messages_reply import Finish, message_shell, new_tool_use_id, thinking_block
 from server.routes.streaming import merge
+from server.state import ServerState
 from server.structured.tool_calls import ToolPlan
-from server.structured.tool_stream import ToolCallStream
 
 
 def event(kind: str, **fields: Any) -> str:
@@ -44,8 +46,11 @@ class _Blocks:
     def close(self) -> list[str]:
         if self.open is None:
             return []
+        events = []
+        if self.open == "thinking":
+            events.append(self._delta({"type": "signature_delta", "signature": ""}))
         self.open = None
-        return [event("content_block_stop", index=self.count - 1)]
+        return [*events, event("content_block_stop", index=self.count - 1)]
 
     def _start(self, block: dict[str, Any]) -> list[str]:
         events = self.close()
@@ -62,6 +67,10 @@ class _Blocks:
 
     def on_delta(self, delta: dict[str, Any]) -> list[str]:
         events: list[str] = []
+        if delta.get("reasoning"):
+            if self.open != "thinking":
+                events += self._start(thinking_block(""))
+            events.append(self._delta({"type": "thinking_delta", "thinking": delta["reasoning"]}))
         if delta.get("content"):
             if self.open != "text":
                 events += self._start({"type": "text", "text": ""})
@@ -81,12 +90,13 @@ async def message_events(
     raw: Request,
     stream: RequestStream,
     message_id: str,
-    model: str,
+    state: ServerState,
     finish: Finish,
     plan: ToolPlan | None,
 ) -> AsyncIterator[str]:
+    model = state.model_name
     blocks = _Blocks()
-    parser = ToolCallStream(plan) if plan else None
+    answer = AnswerStream(state.reasoning, plan)
     started = False
     async for _, out in merge([stream]):
         if out.error is not None:
@@ -98,11 +108,7 @@ async def message_events(
             started = True
             shell = message_shell(message_id, model, {**finish.usage(), "output_tokens": 0})
             yield event("message_start", message=shell)
-        if parser is None:
-            deltas = [{"content": out.new_text}]
-        else:
-            deltas = parser.feed(out.new_text, final=out.finished)
-        for delta in deltas:
+        for delta in answer.feed(out.new_text, len(out.new_token_ids), final=out.finished):
             for line in blocks.on_delta(delta):
                 yield line
     if not started:

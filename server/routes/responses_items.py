@@ -1,5 +1,6 @@
 """The pieces of a Responses API answer, shared by the whole and the streamed form: output
-items (the assistant's message, a function call), usage, and the final status."""
+items (the think block as a reasoning item, the assistant's message, a function call),
+usage, and the final status."""
 
 from __future__ import annotations
 
@@ -21,12 +22,14 @@ def finish(shell: dict, output: list[dict], reason: str | None, usage: dict) -> 
     return done
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int) -> dict[str, Any]:
+def usage(
+    prompt_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0
+) -> dict[str, Any]:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }
 
@@ -53,4 +56,17 @@ def call_item(
         "name": name,
         "arguments": arguments,
         "status": status,
+    }
+
+
+def reasoning_item(text: str, status: str = "completed", item_id: str | None = None) -> dict:
+    """The think block as OpenAI's reasoning item: its text in full (`reasoning_text`), no
+    summary, nothing encrypted."""
+    return {
+        "type": "reasoning",
+        "id": item_id or new_id("rs"),
+        "status": status,
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else [],
+        "encrypted_content": None,
     }

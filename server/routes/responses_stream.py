@@ -1,7 +1,8 @@
 """A streamed `/v1/responses` answer as OpenAI's event sequence: response.created and
 response.in_progress; then for each output item `response.output_item.added`, its deltas
-(`response.output_text.delta` for the message, `response.function_call_arguments.delta`
-for a call), their `.done` events and `response.output_item.done`; last
+(`response.reasoning_text.delta` for the think block, `response.output_text.delta` for
+the message, `response.function_call_arguments.delta` for a call), their `.done` events
+and `response.output_item.done`; last
 response.completed, or response.incomplete when max_output_tokens cut the answer.
 
 Items come from the same tool-call stream as chat (server/structured/tool_stream.py), so a call's
@@ -17,10 +18,17 @@ from typing import Any
 from fastapi import Request
 
 from scheduler import RequestStream
+from server.reasoning.answer import AnswerStream
+from server.reasoning.formats import ReasoningFormat
 from server.routes.chat_inputs import ChatInputs
-from server.routes.responses_items import call_item, finish, message_item, usage
+from server.routes.responses_items import (
+    call_item,
+    finish,
+    message_item,
+    reasoning_item,
+    usage,
+)
 from server.routes.streaming import merge
-from server.structured.tool_stream import ToolCallStream
 
 
 class _Events:
@@ -30,7 +38,7 @@ class _Events:
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None
-        self.text = ""  # the open message's text so far
+        self.text = ""  # the open message's (or reasoning item's) text so far
 
     def event(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
@@ -45,7 +53,12 @@ class _Events:
         if self.open is None:
             return []
         at = self._at()
-        if self.open["type"] == "message":
+        if self.open["type"] == "reasoning":
+            item = reasoning_item(self.text, item_id=self.open["id"])
+            events = [
+                self.event("response.reasoning_text.done", **at, content_index=0, text=self.text)
+            ]
+        elif self.open["type"] == "message":
             part = {"type": "output_text", "text": self.text, "annotations": [], "logprobs": []}
             item = {**self.open, "status": "completed", "content": [part]}
             events = [
@@ -73,6 +86,12 @@ class _Events:
 
     def on_delta(self, delta: dict[str, Any]) -> list[str]:
         events: list[str] = []
+        if delta.get("reasoning"):
+            if self.open is None or self.open["type"] != "reasoning":
+                events += self._start(reasoning_item("", "in_progress"))
+            self.text += delta["reasoning"]
+            events.append(self.event("response.reasoning_text.delta", **self._at(),
+                                     content_index=0, delta=delta["reasoning"]))  # fmt: skip
         if delta.get("content"):
             if self.open is None or self.open["type"] != "message":
                 events += self._start(message_item("", "in_progress"))
@@ -95,12 +114,16 @@ class _Events:
 
 
 async def response_events(
-    raw: Request, stream: RequestStream, shell: dict[str, Any], inputs: ChatInputs
+    raw: Request,
+    stream: RequestStream,
+    shell: dict[str, Any],
+    inputs: ChatInputs,
+    reasoning: ReasoningFormat | None,
 ) -> AsyncIterator[str]:
     events = _Events()
     yield events.event("response.created", response=shell)
     yield events.event("response.in_progress", response=shell)
-    parser = ToolCallStream(inputs.tools) if inputs.tools else None
+    answer = AnswerStream(reasoning, inputs.tools)
     reason, output_tokens, cached = None, 0, 0
     async for _, out in merge([stream]):
         if out.error is not None:
@@ -108,11 +131,7 @@ async def response_events(
             failed = {**shell, "status": "failed", "error": error}
             yield events.event("response.failed", response=failed)
             return
-        if parser is None:
-            deltas = [{"content": out.new_text}]
-        else:
-            deltas = parser.feed(out.new_text, final=out.finished)
-        for delta in deltas:
+        for delta in answer.feed(out.new_text, len(out.new_token_ids), final=out.finished):
             for line in events.on_delta(delta):
                 yield line
         if out.finished:
@@ -121,8 +140,8 @@ async def response_events(
     for line in events.close():
         yield line
     raw.state.completion_tokens = output_tokens
-    done = finish(
-        shell, events.output, reason, usage(len(inputs.prompt_ids), output_tokens, cached)
-    )
+    thought = answer.parts.reasoning_tokens
+    counts = usage(len(inputs.prompt_ids), output_tokens, cached, thought)
+    done = finish(shell, events.output, reason, counts)
     kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
     yield events.event(kind, response=done)

@@ -88,6 +88,7 @@ def serve(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         served_model_name=args.served_model_name,
+        reasoning_parser=args.reasoning_parser,
         api_keys=api_keys,
         metrics_require_api_key=args.metrics_require_api_key,
         task=args.task,

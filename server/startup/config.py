@@ -69,6 +69,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: list[str] = field(default_factory=list)
+    reasoning_parser: str = "auto"  # server/reasoning/formats.py: auto, none, qwen3, ...
     api_keys: list[str] = field(default_factory=list)
     metrics_require_api_key: bool = False
     device: str = "cpu"  # or "cuda", "cuda:N", "auto" (cuda when a GPU is visible)

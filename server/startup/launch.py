@@ -33,6 +33,7 @@ from scheduler import (
 from server.api import build_app
 from server.edge.connections import bounded_http_protocol
 from server.edge.metrics import ServerMetrics
+from server.reasoning.formats import reasoning_format
 from server.startup.config import ServeConfig
 from server.startup.embedding import EmbeddingServer, build_embedding_server, embedding_kind
 from server.startup.tensor_parallel import TensorParallelGroup, start_rank0
@@ -164,6 +165,9 @@ def _serve(
         api_keys=config.api_keys,
         metrics_require_api_key=config.metrics_require_api_key,
         max_request_bytes=config.max_request_bytes,
+        reasoning=None
+        if embedding
+        else reasoning_format(config.reasoning_parser, model.chat_template),
     )
     app = build_app(state, metrics, config.allowed_origins)
     app.state.tensor_parallel = group

@@ -11,6 +11,7 @@ import argparse
 import os
 
 from scheduler import EngineConfig
+from server.reasoning.formats import CHOICES as REASONING_CHOICES
 from server.startup.memory_size import parse_memory_size
 
 
@@ -60,6 +61,13 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
         help="with embed: mean, cls or last, or vLLM's pooler JSON "
         '(\'{"pooling_type": "MEAN", "normalize": false}\'); default: the model\'s '
         "sentence-transformers config, else last-token pooling, normalised, for a decoder",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=list(REASONING_CHOICES),
+        help="split the think block from the answer (reasoning_content): auto (default) picks "
+        "the parser the chat template calls for, none turns it off",
     )
     p.add_argument(
         "--metrics-require-api-key",

@@ -25,6 +25,8 @@ import llguidance
 
 from model.text.tokenizer import Tokenizer
 from scheduler import Grammar
+from server.reasoning.constraint import after_think_block
+from server.reasoning.formats import ReasoningFormat
 
 logger = logging.getLogger("llamaserve.server")
 
@@ -71,17 +73,18 @@ class GrammarCompiler:
         self._lltokenizer: llguidance.LLTokenizer | None = None
         # Finished and in-flight compilations alike: a second request for a schema being
         # compiled waits for the same result instead of compiling it again.
-        self._cache: OrderedDict[tuple[str, str], concurrent.futures.Future[Grammar]] = (
+        self._cache: OrderedDict[tuple[str, str, str], concurrent.futures.Future[Grammar]] = (
             OrderedDict()
         )
         self._pool = concurrent.futures.ThreadPoolExecutor(
             max_workers=max_workers, thread_name_prefix="llamaserve-grammar"
         )
 
-    async def compile(self, kind: str, spec: str) -> Grammar:
+    async def compile(self, kind: str, spec: str, after: ReasoningFormat | None = None) -> Grammar:
         """The compiled grammar for (kind, spec), from the cache or a worker thread;
-        raises GrammarError when it cannot be had within the time limit."""
-        future = self._future(kind, spec)
+        raises GrammarError when it cannot be had within the time limit. `after`: the
+        grammar applies after a think block of this format (server/reasoning/constraint.py)."""
+        future = self._future(kind, spec, after)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(future), self.timeout_s)
         except asyncio.TimeoutError:
@@ -89,17 +92,19 @@ class GrammarCompiler:
                 f"compiling this {kind} constraint took longer than {self.timeout_s:g} s"
             ) from None
 
-    def compile_sync(self, kind: str, spec: str) -> Grammar:
-        return self._future(kind, spec).result()
+    def compile_sync(self, kind: str, spec: str, after: ReasoningFormat | None = None) -> Grammar:
+        return self._future(kind, spec, after).result()
 
-    def _future(self, kind: str, spec: str) -> concurrent.futures.Future[Grammar]:
-        key = (kind, spec)
+    def _future(
+        self, kind: str, spec: str, after: ReasoningFormat | None
+    ) -> concurrent.futures.Future[Grammar]:
+        key = (kind, spec, after.name if after else "")
         with self._lock:
             future = self._cache.get(key)
             if future is not None and not (future.done() and future.exception()):
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(self._build, kind, spec)
+            future = self._pool.submit(self._build, kind, spec, after)
             self._cache[key] = future
             while len(self._cache) > self.cache_size:
                 self._cache.popitem(last=False)
@@ -120,10 +125,12 @@ class GrammarCompiler:
                 )
             return self._lltokenizer
 
-    def _build(self, kind: str, spec: str) -> Grammar:
+    def _build(self, kind: str, spec: str, after: ReasoningFormat | None) -> Grammar:
         started = time.perf_counter()
         tokenizer = self._tokenizer()
         source = _grammar_source(kind, spec)
+        if after is not None:
+            source = after_think_block(source, after)
         try:
             failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
                 source, tokenizer

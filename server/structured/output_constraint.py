@@ -4,6 +4,11 @@
 
 Every constraint a client sends is either enforced or refused with a 400 that names the
 field; none is ever dropped, so an answer never looks constrained when it is not.
+
+With a reasoning parser on, a chat request's `response_format` (like a forced tool call)
+constrains the answer after the think block; `structured_outputs` constrains everything
+the model writes, think block included, so a client can shape that block too
+(docs/reasoning.md).
 """
 
 from __future__ import annotations
@@ -84,15 +89,21 @@ def _schema_text(schema: dict[str, Any] | str | bool, param: str) -> str:
 
 
 async def compile_constraint(
-    constraint: tuple[str, str] | None, param: str, state: ServerState, request_id: str
+    constraint: tuple[str, str] | None,
+    param: str,
+    state: ServerState,
+    request_id: str,
+    answer_only: bool = False,
 ) -> Grammar | None:
-    """The compiled grammar, or a 400 naming `param` when it cannot be enforced."""
+    """The compiled grammar, or a 400 naming `param` when it cannot be enforced.
+    `answer_only`: under a reasoning parser, the think block before it is left free."""
     if constraint is None:
         return None
     kind, spec = constraint
     started = time.perf_counter()
+    after = state.reasoning if answer_only else None
     try:
-        grammar = await state.grammars.compile(kind, spec)
+        grammar = await state.grammars.compile(kind, spec, after)
     except GrammarError as exc:
         logger.info("request %s: %s constraint refused: %s", request_id, param, exc)
         raise APIError(400, f"{param}: {exc}", param) from None
@@ -111,8 +122,11 @@ async def request_grammar(
     structured_outputs: StructuredOutputs | None,
     state: ServerState,
     request_id: str,
+    chat: bool = False,
 ) -> Grammar | None:
-    """The grammar a completions or chat request asked for, if any."""
+    """The grammar a completions or chat request asked for, if any. Only a chat answer is
+    split by the reasoning parser, so only there does `response_format` wait for the think
+    block; a completion's text is held to it from the first token."""
     from_format = response_format_constraint(response_format)
     from_vllm = structured_outputs_constraint(structured_outputs)
     if from_format is not None and from_vllm is not None:
@@ -123,4 +137,6 @@ async def request_grammar(
         )
     if from_vllm is not None:
         return await compile_constraint(from_vllm, "structured_outputs", state, request_id)
-    return await compile_constraint(from_format, "response_format", state, request_id)
+    return await compile_constraint(
+        from_format, "response_format", state, request_id, answer_only=chat
+    )
