@@ -26,6 +26,8 @@ from pathlib import Path
 
 from bench.embed_bench import race as embed_race
 from bench.loadgen import RunStats, make_prompt, run_closed_loop
+from bench.moe_shape import moe_shape_gguf
+from bench.race_report import report
 from bench.servers import (
     LLAMA_CPP_AVX2_CMAKE_ARGS,
     free_port,
@@ -48,6 +50,9 @@ class Scenario:
     # Every request held to this JSON schema, against the same load unconstrained (both
     # llamaserve): what structured output costs.
     json_schema: dict | None = None
+    # On the Qwen3-30B-A3B-shaped GGUF (bench/moe_shape.py) instead of --model, against
+    # llama-server only.
+    moe: bool = False
 
     def describe(self) -> str:
         shared = f", {self.shared_prefix} shared" if self.shared_prefix else ""
@@ -77,6 +82,8 @@ SCENARIOS = {
     "f": Scenario(
         "f", clients=16, prompt_len=128, max_tokens=64, requests=32, json_schema=LIST_SCHEMA
     ),
+    "x": Scenario("x", clients=1, prompt_len=128, max_tokens=64, requests=4, moe=True),
+    "y": Scenario("y", clients=8, prompt_len=128, max_tokens=64, requests=16, moe=True),
 }
 
 
@@ -123,7 +130,11 @@ def builds_description(isa: str) -> str:
 
 
 def race(
-    scenario: Scenario, prompts: list[list[int]], servers: list[str], args: argparse.Namespace
+    scenario: Scenario,
+    prompts: list[list[int]],
+    servers: list[str],
+    args: argparse.Namespace,
+    model: Path,
 ) -> dict[str, tuple[RunStats, int]]:
     if scenario.json_schema is not None:
         return structured_race(scenario, prompts, args)
@@ -136,10 +147,10 @@ def race(
             continue
         if name == "llamaserve":
             extra = [f"--max-num-seqs={max(64, scenario.clients)}", *args.llamaserve_args]
-            command = llamaserve_command(args.model, port, args.threads, extra)
+            command = llamaserve_command(model, port, args.threads, extra)
         else:
             binary = llama_server_binary(build=True, isa=args.cpu_isa)
-            command = llama_server_command(binary, args.model, port, args.threads)
+            command = llama_server_command(binary, model, port, args.threads)
         with running(name, command, port) as server:
             stats = asyncio.run(
                 run_closed_loop(server.base_url, prompts, scenario.clients, scenario.max_tokens)
@@ -196,39 +207,6 @@ def transformers_run(
     return stats, result["peak_rss"]
 
 
-def report(scenario: Scenario, results: dict[str, tuple[RunStats, int]]) -> None:
-    print(f"\n{scenario.describe()}")
-    print(f"{'server':<13}{'tok/s':>8}{'TTFT p50':>10}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
-          f"{'peak RSS':>10}{'errors':>8}")  # fmt: skip
-    for name, (s, rss) in results.items():
-        print(
-            f"{name:<13}{s.output_tok_s:>8.1f}{s.ttft_p50_s:>9.2f}s{s.ttft_p99_s:>7.2f}s"
-            f"{s.itl_p50_s * 1e3:>7.0f}ms{s.itl_p99_s * 1e3:>6.0f}ms{rss / 2**30:>8.2f}GB"
-            f"{s.num_errors:>8}"
-        )
-    for name, (s, _) in results.items():
-        if s.first_error:  # its tok/s counts only the requests that completed
-            print(f"{name}: {s.num_errors} failed, the first with {s.first_error}")
-        if s.num_retried:
-            print(f"{name}: {s.num_retried} sent again after a connection closed unanswered")
-    if {"llamaserve", "json_schema"} <= results.keys():
-        ratio = results["json_schema"][0].output_tok_s / results["llamaserve"][0].output_tok_s
-        print(f"{'constrained':<13}{ratio:>6.2f}x of unconstrained tok/s")
-    if {"llamaserve", "transformers"} <= results.keys():
-        ratio = results["llamaserve"][0].output_tok_s / results["transformers"][0].output_tok_s
-        print(f"{'vs transformers':<13}{ratio:>6.2f}x")
-    if {"llamaserve", "llama-server"} <= results.keys():
-        ours, _ = results["llamaserve"]
-        peer, _ = results["llama-server"]
-        rss_ratio = results["llamaserve"][1] / max(1, results["llama-server"][1])
-        print(
-            f"{'ratio':<13}{ours.output_tok_s / peer.output_tok_s:>7.2f}x"
-            f"{ours.ttft_p50_s / peer.ttft_p50_s:>9.2f}x{ours.ttft_p99_s / peer.ttft_p99_s:>7.2f}x"
-            f"{ours.itl_p50_s / peer.itl_p50_s:>8.2f}x{ours.itl_p99_s / peer.itl_p99_s:>7.2f}x"
-            f"{rss_ratio:>9.2f}x"
-        )
-
-
 def main(argv: list[str] | None = None) -> None:
     from model.checkpoint.default_model import default_model_path_or_none
     from model.checkpoint.gguf_file import open_gguf
@@ -238,9 +216,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
     p.add_argument(
         "--scenarios",
-        default="abcdefms",
+        default="abcdefmsxy",
         help="a-f: generation on --model; m: embeddings (bench/embed_bench.py); s: "
-        "speculative decoding on --model (bench/spec_bench.py)",
+        "speculative decoding on --model (bench/spec_bench.py); x, y: generation on a "
+        "mixture of experts at Qwen3-30B-A3B's layer shape (bench/moe_shape.py)",
     )
     p.add_argument(
         "--servers",
@@ -282,8 +261,14 @@ def main(argv: list[str] | None = None) -> None:
             )
             continue
         scenario = SCENARIOS[key]
-        prompts = make_prompts(tokenizer, scenario, seed + ord(key), args.scale)
-        report(scenario, race(scenario, prompts, args.servers, args))
+        model, servers, words = args.model, args.servers, tokenizer
+        if scenario.moe:
+            model = moe_shape_gguf()
+            servers = [s for s in args.servers if s != "transformers"]
+            words = tokenizer_from_gguf(open_gguf(model).metadata)
+            print(f"\nmixture of experts: {model.name}")
+        prompts = make_prompts(words, scenario, seed + ord(key), args.scale)
+        report(scenario, race(scenario, prompts, servers, args, model))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""A GGUF at Qwen3-30B-A3B's layer shape with random weights, for the mixture-of-experts
+scenarios of `make bench` (x: one stream, y: 8 clients): speed and memory of a real MoE
+layer without its 17 GB checkpoint (no model hub is reachable here).
+
+Each layer is Qwen3-30B-A3B's: hidden 2048, 32 query and 4 KV heads of 128 with per-head
+Q/K norms, 128 experts of FFN 768, 8 chosen per token. Only the layer count is cut, to
+what this machine's memory holds comfortably. Types as a Q4_K_M file has them (Q4_K
+gate, up, Q, K and O; Q6_K down, V and output; an F32 router; a Q8_0 embedding), with the
+default model's tokenizer and chat template, so both servers read it as a real file.
+
+The quantised blocks are written as random bytes with their scales set small, rather than
+quantised from floats: 340 MB of experts a layer would take minutes through numpy.
+
+    make bench ARGS="--scenarios xy"          # written once into the model cache
+    .venv/bin/python -m bench.moe_shape --layers 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGMLQuantizationType as T
+from tqdm import tqdm
+
+from model.checkpoint.default_model import default_model_path
+from model.checkpoint.pypi_models import model_cache
+
+SHAPE = {"dim": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128}
+EXPERTS, EXPERTS_USED, EXPERT_FFN = 128, 8, 768
+LAYERS_OF_THE_REAL_MODEL = 48
+# Half-precision block scales that give weights of about 0.02, a trained layer's size.
+SCALES = {T.Q4_K: (1e-4, 4e-4), T.Q6_K: (2e-5, 0.0)}
+
+
+def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: T) -> np.ndarray:
+    """Blocks of `qtype` holding `shape` weights (last dimension in weights), as bytes."""
+    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+    *lead, cols = shape
+    raw = rng.integers(0, 256, (*lead, cols // per_block, block_bytes), dtype=np.uint8)
+    if qtype in SCALES:
+        d, dmin = SCALES[qtype]
+        if qtype == T.Q4_K:  # d and dmin lead the block
+            raw[..., 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+            raw[..., 2:4] = np.frombuffer(np.float16(dmin).tobytes(), np.uint8)
+        else:  # Q6_K: d ends the block
+            raw[..., -2:] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
+    else:  # Q8_0: an f16 scale, then 32 int8
+        raw[..., 0:2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
+    return raw.reshape(*lead, cols // per_block * block_bytes)
+
+
+def layer_tensors(i: int) -> list[tuple[str, tuple[int, ...], T | None]]:
+    dim, head = SHAPE["dim"], SHAPE["head_dim"]
+    q, kv = SHAPE["heads"] * head, SHAPE["kv_heads"] * head
+    return [
+        (f"blk.{i}.attn_norm.weight", (dim,), None),
+        (f"blk.{i}.attn_q.weight", (q, dim), T.Q4_K),
+        (f"blk.{i}.attn_k.weight", (kv, dim), T.Q4_K),
+        (f"blk.{i}.attn_v.weight", (kv, dim), T.Q6_K),
+        (f"blk.{i}.attn_output.weight", (dim, q), T.Q4_K),
+        (f"blk.{i}.attn_q_norm.weight", (head,), None),
+        (f"blk.{i}.attn_k_norm.weight", (head,), None),
+        (f"blk.{i}.ffn_norm.weight", (dim,), None),
+        (f"blk.{i}.ffn_gate_inp.weight", (EXPERTS, dim), T.F32),
+        (f"blk.{i}.ffn_gate_exps.weight", (EXPERTS, EXPERT_FFN, dim), T.Q4_K),
+        (f"blk.{i}.ffn_up_exps.weight", (EXPERTS, EXPERT_FFN, dim), T.Q4_K),
+        (f"blk.{i}.ffn_down_exps.weight", (EXPERTS, dim, EXPERT_FFN), T.Q6_K),
+    ]
+
+
+def write(path: Path, layers: int, seed: int = 0) -> None:
+    dim, head = SHAPE["dim"], SHAPE["head_dim"]
+    source = GGUFReader(default_model_path())
+    writer = GGUFWriter(str(path), "qwen3moe")
+    writer.add_name(f"Qwen3-30B-A3B layer shape, {layers} layers, random weights")
+    writer.add_block_count(layers)
+    writer.add_context_length(8192)
+    writer.add_embedding_length(dim)
+    writer.add_feed_forward_length(6144)
+    writer.add_head_count(SHAPE["heads"])
+    writer.add_head_count_kv(SHAPE["kv_heads"])
+    writer.add_key_length(head)
+    writer.add_value_length(head)
+    writer.add_rope_freq_base(1_000_000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_expert_count(EXPERTS)
+    writer.add_expert_used_count(EXPERTS_USED)
+    writer.add_expert_feed_forward_length(EXPERT_FFN)
+    for name, field in source.fields.items():  # the default model's vocabulary, as it is
+        if name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+    vocab = int(source.fields["llama.vocab_size"].contents())
+    tensors = [("token_embd.weight", (vocab, dim), T.Q8_0)]
+    tensors += [("output_norm.weight", (dim,), None), ("output.weight", (vocab, dim), T.Q6_K)]
+    for i in range(layers):
+        tensors += layer_tensors(i)
+    rng = np.random.default_rng(seed)
+    for name, shape, qtype in tqdm(tensors, desc=f"writing {path.name}", unit="tensor"):
+        if qtype is None:  # norms
+            writer.add_tensor(name, np.ones(shape, dtype=np.float32))
+        elif qtype == T.F32:  # the router
+            weights = rng.standard_normal(shape, dtype=np.float32) * 0.02
+            writer.add_tensor(name, weights.astype(np.float32))
+        else:
+            writer.add_tensor(name, random_blocks(rng, shape, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def layer_bytes() -> int:
+    total = 0
+    for _, shape, qtype in layer_tensors(0):
+        count = int(np.prod(shape))
+        if qtype is None or qtype == T.F32:
+            total += 4 * count
+        else:
+            per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+            total += count // per_block * block_bytes
+    return total
+
+
+def default_layers() -> int:
+    """As many layers as fit in a sixth of this machine's memory: each server in turn
+    maps the file, and the page cache holds it between them."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return max(2, min(LAYERS_OF_THE_REAL_MODEL, memory // 6 // layer_bytes()))
+
+
+def moe_shape_gguf(layers: int | None = None) -> Path:
+    """The cached file, written first when there is none."""
+    layers = layers or default_layers()
+    path = model_cache() / f"qwen3-30b-a3b-shape-{layers}-layers-random-q4_k_m.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(".partial")
+        write(partial, layers)
+        partial.replace(path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=None, help="default: what memory allows")
+    print(moe_shape_gguf(p.parse_args(argv).layers))
+
+
+if __name__ == "__main__":
+    main()
