@@ -1,0 +1,129 @@
+"""The mixture-of-experts families (Qwen3-MoE, OLMoE; model/network/moe.py) on tiny random
+checkpoints written by `transformers`, 8 experts of which each token picks 2: read from
+safetensors and from a GGUF of the same weights written by the `gguf` package (stacked
+expert tensors, float and K-quant), their logits equal `transformers`' in float32, and
+greedy output through the engine is the same alone, crowded, chunked and after
+preemption."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+from model.config import ModelConfig
+from model.errors import UnsupportedModelError
+from model.loader import load_model
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
+from tests import test_families
+from tests.test_families import hf_logits, prompts
+from tests.tiny_families import make_tiny, write_gguf
+
+BLOCK = 4
+FAMILIES = ("qwen3_moe", "olmoe")
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path, Path]:
+    family = request.param
+    directory = tmp_path_factory.mktemp(family)
+    hf = make_tiny(family, directory)
+    gguf = write_gguf(hf, family, directory, directory / "tiny.gguf")
+    return family, hf, directory, gguf
+
+
+def model_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    cache = PagedKVCache.allocate(model.config, 64, BLOCK, model.dtype)
+    table = list(range(-(-len(ids) // BLOCK)))
+    return model(Batch.build([ids], [0], [table], BLOCK, "cpu", all_logits=True), cache)
+
+
+@pytest.mark.parametrize("backend", ["torch_ref", "cpu_paged"])
+@pytest.mark.parametrize("source", ["safetensors", "gguf"])
+def test_logits_match_transformers(checkpoint, source, backend) -> None:
+    family, hf, directory, gguf = checkpoint
+    loaded = load_model(
+        directory if source == "safetensors" else gguf,
+        dtype=torch.float32,
+        progress=False,
+        attention_backend=backend,
+    )
+    c = loaded.config
+    assert (c.n_experts, c.n_experts_used) == (8, 2)
+    assert c.dense_layers == ((1,) if family == "qwen3_moe" else ())
+    for ids in prompts():
+        got = model_logits(loaded.model, ids)
+        assert (got - hf_logits(hf, ids)).abs().max().item() < 1e-4, (family, len(ids))
+
+
+def test_the_router_matters(checkpoint) -> None:
+    """Sending each token to other experts changes the logits: the test above checks
+    which experts were chosen, not only what they compute."""
+    family, hf, directory, _ = checkpoint
+    loaded = load_model(directory, dtype=torch.float32, progress=False)
+    ids = prompts()[-1]
+    for layer in loaded.model.layers:
+        if layer.moe is not None:
+            layer.moe.router.weight.data = layer.moe.router.weight.data.flip(0)
+    assert (model_logits(loaded.model, ids) - hf_logits(hf, ids)).abs().max().item() > 1e-2
+
+
+def _dequantised_reference(hf: torch.nn.Module, gguf: Path) -> torch.nn.Module:
+    """`hf` with its experts replaced by the `gguf` package's dequantisation of the file's
+    stacked expert tensors: what a K-quant file holds, computed without llamaserve."""
+    reader = GGUFReader(gguf)
+    stacks = {}
+    for t in reader.tensors:
+        if "_exps" in t.name:
+            w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+            stacks[t.name] = torch.from_numpy(np.ascontiguousarray(w))
+    with torch.no_grad():
+        for i, layer in enumerate(hf.model.layers):
+            if f"blk.{i}.ffn_gate_exps.weight" not in stacks:
+                continue
+            gate_up = [stacks[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up")]
+            layer.mlp.experts.gate_up_proj.copy_(torch.cat(gate_up, dim=1))
+            layer.mlp.experts.down_proj.copy_(stacks[f"blk.{i}.ffn_down_exps.weight"])
+    return hf
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_k_quant_experts(family, tmp_path) -> None:
+    """Experts stored in Q6_K (gate, up) and Q4_0 (down), as quantised GGUFs mix them: read
+    into float32 they give the dequantised reference's logits within 1e-4; loaded into the
+    quantised layers' own formats straight from the file's blocks (int6 holds Q6_K and int4
+    Q4_0 as they are; the activations go through bf16), within bf16's rounding."""
+    hf = make_tiny(family, tmp_path, hidden_size=256)
+    types = {}
+    for i in range(hf.config.num_hidden_layers):
+        types |= {f"blk.{i}.ffn_{p}_exps.weight": T.Q6_K for p in ("gate", "up")}
+        types[f"blk.{i}.ffn_down_exps.weight"] = T.Q4_0
+    gguf = write_gguf(hf, family, tmp_path, tmp_path / "k.gguf", types=types)
+    reference = _dequantised_reference(hf, gguf)
+    ids = prompts()[-1]
+    want = hf_logits(reference, ids)
+    loaded = load_model(gguf, dtype=torch.float32, progress=False)
+    assert (model_logits(loaded.model, ids) - want).abs().max().item() < 1e-4
+    loaded = load_model(gguf, dtype=torch.float32, quantization="int8g", progress=False)
+    expert = loaded.model.layers[0].moe.experts[0]
+    assert type(expert.down_proj).__name__ == "Int8GroupLinear"
+    # A token whose two best experts are nearly tied may pick the other one after any
+    # rounding, so the bound is on the typical token: a wrong expert's rows would move all.
+    error = (model_logits(loaded.model, ids) - want).abs().mean(dim=1)
+    assert error.median().item() < 0.05
+
+
+def test_greedy_output_is_batch_invariant(checkpoint) -> None:
+    """The dense families' engine scenarios (tests/test_families.py) on the GGUF: the
+    experts a token picks do not depend on which other tokens share its step."""
+    test_families.test_greedy_output_is_batch_invariant(checkpoint)
+
+
+def test_other_mixtures_of_experts_are_refused_naming_those_supported() -> None:
+    for model_type in ("qwen2_moe", "deepseek_v3", "mixtral"):
+        with pytest.raises(UnsupportedModelError, match="'qwen3_moe' and 'olmoe'"):
+            ModelConfig.from_hf_dict({"model_type": model_type})
