@@ -16,9 +16,11 @@ from gguf.quants import dequantize
 
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
+from model.greedy import greedy_tokens
 from model.loader import load_model
 from model.network.batch import Batch
 from model.network.paged_cache import PagedKVCache
+from scheduler.sampling_params import SamplingParams
 from tests import test_families
 from tests.test_families import hf_logits, prompts
 from tests.tiny_families import make_tiny, write_gguf
@@ -55,6 +57,7 @@ def test_logits_match_transformers(checkpoint, source, backend) -> None:
     c = loaded.config
     assert (c.n_experts, c.n_experts_used) == (8, 2)
     assert c.dense_layers == ((1,) if family == "qwen3_moe" else ())
+    assert c.num_parameters() == sum(p.numel() for p in hf.parameters())  # experts counted
     for ids in prompts():
         got = model_logits(loaded.model, ids)
         assert (got - hf_logits(hf, ids)).abs().max().item() < 1e-4, (family, len(ids))
@@ -127,3 +130,35 @@ def test_other_mixtures_of_experts_are_refused_naming_those_supported() -> None:
     for model_type in ("qwen2_moe", "deepseek_v3", "mixtral"):
         with pytest.raises(UnsupportedModelError, match="'qwen3_moe' and 'olmoe'"):
             ModelConfig.from_hf_dict({"model_type": model_type})
+
+
+def test_speculative_decoding_keeps_greedy_output(checkpoint) -> None:
+    """n-gram speculation verifies several tokens of a sequence in one step: the experts
+    each of them picks, and so the greedy output, are those of plain decoding."""
+    from tests.test_speculation import run_speculating
+
+    _, _, _, gguf = checkpoint
+    loaded = load_model(gguf, dtype=torch.float32, progress=False)
+    texts = [ids * 3 for ids in prompts(4, seed=5)[1:]]  # repeats give n-grams to guess from
+    params = SamplingParams(max_tokens=24, temperature=0.0)
+    alone = [list(greedy_tokens(loaded.model, ids, 24, loaded.tokenizer.stop_ids)) for ids in texts]
+    requests = {f"r{i}": (ids, params) for i, ids in enumerate(texts)}
+    results, drafted, _, _ = run_speculating(loaded, requests)
+    assert drafted > 0
+    for i in range(len(texts)):
+        assert [t for out in results[(f"r{i}", 0)] for t in out.new_token_ids] == alone[i]
+
+
+def test_a_mixtral_gguf_is_refused_naming_those_supported() -> None:
+    md = {
+        "general.architecture": "llama",
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 4,
+        "llama.block_count": 2,
+        "llama.feed_forward_length": 128,
+        "llama.vocab_size": 512,
+        "llama.expert_count": 8,
+        "llama.expert_used_count": 2,
+    }
+    with pytest.raises(UnsupportedModelError, match="'qwen3_moe' and 'olmoe'"):
+        ModelConfig.from_gguf_metadata(md, set())
