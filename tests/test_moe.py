@@ -162,3 +162,24 @@ def test_a_mixtral_gguf_is_refused_naming_those_supported() -> None:
     }
     with pytest.raises(UnsupportedModelError, match="'qwen3_moe' and 'olmoe'"):
         ModelConfig.from_gguf_metadata(md, set())
+
+
+def test_the_c_layer_runs_attention_and_leaves_the_experts_to_pytorch(checkpoint) -> None:
+    """bf16 with grouped int8 layers on the C attention: Qwen3-MoE's layers run attention in
+    the C decoder layer (prefill, and the whole-layer call of a step of decodes), stopping
+    before the MLP, and give the PyTorch layer's logits and greedy tokens exactly; OLMoE's
+    whole-projection norms keep its layers in PyTorch."""
+    family, _, _, gguf = checkpoint
+    loaded = load_model(
+        gguf, dtype="bfloat16", quantization="int8g", progress=False, attention_backend="cpu_paged"
+    )
+    layers = loaded.model.layers
+    natives = [layer.native for layer in layers]
+    assert all(n is not None for n in natives) == (family == "qwen3_moe")
+    stop = loaded.tokenizer.stop_ids
+    ids = prompts()[-1]
+    with_c = model_logits(loaded.model, ids), list(greedy_tokens(loaded.model, ids, 12, stop))
+    for layer in layers:
+        layer.native = None
+    without = model_logits(loaded.model, ids), list(greedy_tokens(loaded.model, ids, 12, stop))
+    assert torch.equal(with_c[0], without[0]) and with_c[1] == without[1]

@@ -102,20 +102,18 @@ class DecoderLayer(nn.Module):
 
     def use_native(self) -> bool:
         """Runs around attention in two native calls where every part fits (bf16 norms
-        and bias, every projection on a C kernel) and without tensor parallelism. The C
-        layer has a dense MLP and per-head Q/K norms only: not a mixture of experts nor
-        OLMoE's norms."""
-        if self.moe is not None or self.config.qk_norm_whole:
+        and bias, every projection on a C kernel) and without tensor parallelism. With a
+        mixture of experts the C layer stops after attention and the experts run here; it
+        has no whole-projection Q/K norms (OLMoE)."""
+        if self.config.qk_norm_whole:
             self.native = None
             return False
         norms = (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm)
         norms += (self.attn_out_norm, self.ffn_out_norm)
         tensors = [n.weight for n in norms if n is not None]
         tensors += [self.qkv_bias] if self.qkv_bias is not None else []
-        projections = [
-            _native_weight(p)
-            for p in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        ]
+        linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        projections = [_native_weight(p) for p in linears if p is not None]
         fits = (
             self.reduce is None
             and all(t.dtype == torch.bfloat16 for t in tensors)
@@ -144,13 +142,16 @@ class DecoderLayer(nn.Module):
             and rope[0].dtype == torch.float32  # the C layer reads fp32 angles
         ):
             decodes = getattr(plan, "decodes", None)  # the C attention's plan of decodes only
+            out = None
             if decodes is not None:
                 out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale, window)
-                if out is not None:
-                    return out
-            q, k, v = self.native.attention_input(h, *rope)
-            attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
-            return self.native.attention_output(h, attn)
+            if out is None:
+                q, k, v = self.native.attention_input(h, *rope)
+                attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
+                out = self.native.attention_output(h, attn)
+            if self.moe is not None:  # the C layer stopped after attention's residual
+                out = out + self.moe(self.post_attention_layernorm(out))
+            return out
         qkv = self.qkv_proj(self.input_layernorm(h))
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias

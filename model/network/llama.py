@@ -102,15 +102,18 @@ class Llama(nn.Module):
 
     def use_native_layers(self) -> int:
         """Native decoder layers where their parts fit (model/native/layer.py): how many."""
+        native = sum(layer.use_native() for layer in self.layers)
         sparse = sum(layer.moe is not None for layer in self.layers)
         if sparse:
             logger.info(
-                "the C decoder layer does not cover mixture-of-experts layers: %d of %d "
-                "layers run in PyTorch (their experts on the quantised layers' kernels)",
-                sparse,
+                "mixture of experts: %d of %d layers run attention in the C decoder layer; "
+                "the experts of %d layers run in PyTorch, each expert's products on its "
+                "quantised layer's kernel",
+                native,
                 len(self.layers),
+                sparse,
             )
-        return sum(layer.use_native() for layer in self.layers)
+        return native
 
     def quantize_linears(
         self,
