@@ -201,9 +201,11 @@ def write_gguf(
     tokenizer_model: str = "gpt2",
     pre: str = "gpt-2",
     types: dict[str, GGMLQuantizationType] | None = None,
+    blocks: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
 ) -> Path:
     """The model's weights as float32 GGUF tensors (those `types` names quantised by the
-    `gguf` package; Q6_K by tests/q6_k.py), its config as `<arch>.*` metadata and the
+    `gguf` package; Q6_K by tests/q6_k.py; those `blocks` names replaced by the blocks given,
+    of a type nothing here writes, such as Q4_K), its config as `<arch>.*` metadata and the
     tokenizer of `hf_dir` as a GGUF vocabulary (`gpt2`, byte-level BPE, unless the test
     names another)."""
     c = model.config
@@ -251,7 +253,11 @@ def write_gguf(
         elif family == "gemma3" and name.endswith("norm.weight"):
             data = data + 1
         for gguf_name, part in _parts(name, data, family):
-            _add_tensor(writer, gguf_name, part, (types or {}).get(gguf_name))
+            if gguf_name in (blocks or {}):
+                raw, qtype = (blocks or {})[gguf_name]
+                writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            else:
+                _add_tensor(writer, gguf_name, part, (types or {}).get(gguf_name))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
