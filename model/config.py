@@ -56,7 +56,7 @@ class ModelConfig:
     query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
     # OLMoE: one RMSNorm over the whole Q and K projections rather than over each head.
     qk_norm_whole: bool = False
-    # Mixture of experts (Qwen3-MoE, OLMoE; model/network/moe.py): a softmax router picks
+    # Mixture of experts (Qwen3-MoE, OLMoE, Mixtral; model/network/moe.py): a softmax router picks
     # `n_experts_used` of `n_experts` SwiGLU experts of width `expert_ffn_dim` per token, their
     # weights renormalised to sum to 1 where `norm_topk_prob`; `dense_layers` keep a dense
     # MLP of width `ffn_dim`.
@@ -189,8 +189,8 @@ class ModelConfig:
                 )
             elif arch.get("expert_count"):
                 raise UnsupportedModelError(
-                    f"{source}: a mixture-of-experts {family.name!r} GGUF (Mixtral's layout) "
-                    f"is not supported; llamaserve runs mixture-of-experts {MOE_FAMILIES}"
+                    f"{source}: a mixture-of-experts {family.name!r} GGUF is not supported; "
+                    f"llamaserve runs mixture-of-experts {MOE_FAMILIES}"
                 )
             return cls(
                 dim=dim,

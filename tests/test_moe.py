@@ -1,4 +1,4 @@
-"""The mixture-of-experts families (Qwen3-MoE, OLMoE; model/network/moe.py) on tiny random
+"""The mixture-of-experts families (Qwen3-MoE, OLMoE, Mixtral; model/network/moe.py) on tiny random
 checkpoints written by `transformers`, 8 experts of which each token picks 2: read from
 safetensors and from a GGUF of the same weights written by the `gguf` package (stacked
 expert tensors, float and K-quant), their logits equal `transformers`' in float32, and
@@ -28,7 +28,10 @@ from tests.test_file_blocks import file_like_blocks
 from tests.tiny_families import make_tiny, write_gguf
 
 BLOCK = 4
-FAMILIES = ("qwen3_moe", "olmoe")
+FAMILIES = ("qwen3_moe", "olmoe", "mixtral")
+# Mixtral's GGUF is a `llama` one, its Q/K rows interleaved: the K-quant test's reference
+# copies the file's matrices as they are, so it takes the two others.
+K_QUANT_FAMILIES = ("qwen3_moe", "olmoe")
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -59,6 +62,7 @@ def test_logits_match_transformers(checkpoint, source, backend) -> None:
     c = loaded.config
     assert (c.n_experts, c.n_experts_used) == (8, 2)
     assert c.dense_layers == ((1,) if family == "qwen3_moe" else ())
+    assert c.architecture == ("llama" if family == "mixtral" and source == "gguf" else family)
     assert c.num_parameters() == sum(p.numel() for p in hf.parameters())  # experts counted
     for ids in prompts():
         got = model_logits(loaded.model, ids)
@@ -109,7 +113,7 @@ _PROJECTIONS = {
 }
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", K_QUANT_FAMILIES)
 def test_k_quant_experts(family, tmp_path, monkeypatch) -> None:
     """Experts stored as a Q4_K_M file stores them, Q4_K (gate: blocks with a trained
     layer's scales) and Q6_K (down), with Q4_0 (up) and Q8_0 (attention): read into float32
@@ -161,8 +165,8 @@ def test_greedy_output_is_batch_invariant(checkpoint) -> None:
 
 
 def test_other_mixtures_of_experts_are_refused_naming_those_supported() -> None:
-    for model_type in ("qwen2_moe", "deepseek_v3", "mixtral"):
-        with pytest.raises(UnsupportedModelError, match="'qwen3_moe' and 'olmoe'"):
+    for model_type in ("qwen2_moe", "deepseek_v3", "phimoe"):
+        with pytest.raises(UnsupportedModelError, match="'qwen3_moe', 'olmoe' and 'mixtral'"):
             ModelConfig.from_hf_dict({"model_type": model_type})
 
 
@@ -183,33 +187,33 @@ def test_speculative_decoding_keeps_greedy_output(checkpoint) -> None:
         assert [t for out in results[(f"r{i}", 0)] for t in out.new_token_ids] == alone[i]
 
 
-def test_a_mixtral_gguf_is_refused_naming_those_supported() -> None:
+def test_experts_in_a_family_without_them_are_refused_naming_those_supported() -> None:
     md = {
-        "general.architecture": "llama",
-        "llama.embedding_length": 64,
-        "llama.attention.head_count": 4,
-        "llama.block_count": 2,
-        "llama.feed_forward_length": 128,
-        "llama.vocab_size": 512,
-        "llama.expert_count": 8,
-        "llama.expert_used_count": 2,
+        "general.architecture": "qwen2",
+        "qwen2.embedding_length": 64,
+        "qwen2.attention.head_count": 4,
+        "qwen2.block_count": 2,
+        "qwen2.feed_forward_length": 128,
+        "qwen2.vocab_size": 512,
+        "qwen2.expert_count": 8,
+        "qwen2.expert_used_count": 2,
     }
-    with pytest.raises(UnsupportedModelError, match="'qwen3_moe' and 'olmoe'"):
+    with pytest.raises(UnsupportedModelError, match="'qwen3_moe', 'olmoe' and 'mixtral'"):
         ModelConfig.from_gguf_metadata(md, set())
 
 
 def test_the_c_layer_runs_attention_and_leaves_the_experts_to_pytorch(checkpoint) -> None:
-    """bf16 with grouped int8 layers on the C attention: Qwen3-MoE's layers run attention in
-    the C decoder layer (prefill, and the whole-layer call of a step of decodes), stopping
-    before the MLP, and give the PyTorch layer's logits and greedy tokens exactly; OLMoE's
-    whole-projection norms keep its layers in PyTorch."""
+    """bf16 with grouped int8 layers on the C attention: Qwen3-MoE's and Mixtral's layers run
+    attention in the C decoder layer (prefill, and the whole-layer call of a step of
+    decodes), stopping before the MLP, and give the PyTorch layer's logits and greedy
+    tokens exactly; OLMoE's whole-projection norms keep its layers in PyTorch."""
     family, _, _, gguf = checkpoint
     loaded = load_model(
         gguf, dtype="bfloat16", quantization="int8g", progress=False, attention_backend="cpu_paged"
     )
     layers = loaded.model.layers
     natives = [layer.native for layer in layers]
-    assert all(n is not None for n in natives) == (family == "qwen3_moe")
+    assert all(n is not None for n in natives) == (family != "olmoe")
     stop = loaded.tokenizer.stop_ids
     ids = prompts()[-1]
     with_c = model_logits(loaded.model, ids), list(greedy_tokens(loaded.model, ids, 12, stop))

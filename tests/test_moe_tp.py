@@ -11,7 +11,7 @@ from tests.tiny_families import make_tiny, write_gguf
 
 def test_tp2_logits_match_one_process(tmp_path) -> None:
     paths = []
-    for family in ("qwen3_moe", "olmoe"):
+    for family in ("qwen3_moe", "olmoe", "mixtral"):
         directory = tmp_path / family
         hf = make_tiny(family, directory)
         paths += [str(directory), str(write_gguf(hf, family, directory, directory / "t.gguf"))]

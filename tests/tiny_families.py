@@ -15,6 +15,8 @@ from transformers import (
     Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     OlmoeConfig,
     OlmoeForCausalLM,
     Qwen2Config,
@@ -97,9 +99,20 @@ FAMILIES = {
             eos_token_id=1,
         ),
     ),
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 # llama.cpp's converter stores Q/K rows as interleaved pairs for these (Trap 1).
-PERMUTED = {"mistral": "llama"}
+PERMUTED = {"mistral": "llama", "mixtral": "llama"}
 # llama.cpp's architecture names where they differ from transformers' model_type.
 GGUF_ARCH = {**PERMUTED, "qwen3_moe": "qwen3moe"}
 # Gemma's four norms as transformers and llama.cpp name them; llama.cpp stores 1 + w.
@@ -226,8 +239,9 @@ def write_gguf(
     writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
     if getattr(c, "sliding_window", None):
         writer.add_sliding_window(c.sliding_window)
-    if getattr(c, "num_experts", None):
-        writer.add_expert_count(c.num_experts)
+    n_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if n_experts:
+        writer.add_expert_count(n_experts)
         writer.add_expert_used_count(c.num_experts_per_tok)
         expert_ffn = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
         writer.add_expert_feed_forward_length(expert_ffn)

@@ -6,16 +6,17 @@ from model.errors import UnsupportedModelError
 from model.families.gemma3 import GEMMA3
 from model.families.llama import LLAMA
 from model.families.mistral import MISTRAL
+from model.families.mixtral import MIXTRAL
 from model.families.olmoe import OLMOE
 from model.families.qwen2 import QWEN2
 from model.families.qwen3 import QWEN3
 from model.families.qwen3_moe import QWEN3_MOE
 from model.families.spec import Family
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, QWEN3_MOE, OLMOE)}
+FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, QWEN3_MOE, OLMOE, MIXTRAL)}
 _BY_HF_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 _BY_GGUF = {f.gguf_name: f for f in FAMILIES.values()}
-MOE_FAMILIES = "'qwen3_moe' and 'olmoe' (a softmax router, top-k SwiGLU experts)"
+MOE_FAMILIES = "'qwen3_moe', 'olmoe' and 'mixtral' (a softmax router, top-k SwiGLU experts)"
 # Mixtures of experts we do not run, by HF model_type and GGUF architecture, and why.
 _OTHER_MOE = {
     "qwen2_moe": "shared experts",
@@ -23,7 +24,6 @@ _OTHER_MOE = {
     "deepseek_v2": "shared experts and grouped routing",
     "deepseek2": "shared experts and grouped routing",
     "deepseek_v3": "shared experts and a sigmoid router",
-    "mixtral": "Mixtral's layout",
     "phimoe": "a sparse-mixer router",
     "dbrx": "DBRX's fused layout",
     "granitemoe": "Granite's router",

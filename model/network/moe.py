@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, OLMoE): a softmax router in fp32 picks the top
+"""A mixture-of-experts MLP (Qwen3-MoE, OLMoE, Mixtral): a softmax router in fp32 picks the top
 `n_experts_used` of `n_experts` SwiGLU experts for each token, their weights renormalised
 to sum to 1 where the config says so, and the token's output is the weighted sum of theirs.
 

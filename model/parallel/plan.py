@@ -26,7 +26,10 @@ import torch
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 
-_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+# An expert's gate/up/down as transformers saves it (Mixtral's as w1/w3/w2).
+_EXPERT = re.compile(
+    r"\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
 _KV_ROWS = tuple(f"self_attn.{p}_proj.{kind}" for p in "kv" for kind in ("weight", "bias"))
 
 
@@ -113,7 +116,7 @@ class TensorParallel:
         if expert := _EXPERT.search(name):
             per_rank = config.expert_ffn_dim // n
             cut = slice(r * per_rank, (r + 1) * per_rank)
-            return tensor[:, cut] if expert.group(1) == "down" else tensor[cut]
+            return tensor[:, cut] if expert.group(1) in ("down_proj", "w2") else tensor[cut]
         if name.endswith("self_attn.o_proj.weight"):
             per_rank = config.q_size // n
             return tensor[:, r * per_rank : (r + 1) * per_rank]
