@@ -21,8 +21,11 @@ from model.loader import load_model
 from model.network.batch import Batch
 from model.network.paged_cache import PagedKVCache
 from model.plan import int4_kernel, layer_formats, weight_format
+from scheduler.config import EngineConfig
+from scheduler.engine.factory import create_engine
 from scheduler.sampling_params import SamplingParams
 from tests import test_families
+from tests.engine_driver import run_engine
 from tests.test_families import hf_logits, prompts
 from tests.test_file_blocks import file_like_blocks
 from tests.tiny_families import make_tiny, write_gguf
@@ -221,3 +224,20 @@ def test_the_c_layer_runs_attention_and_leaves_the_experts_to_pytorch(checkpoint
         layer.native = None
     without = model_logits(loaded.model, ids), list(greedy_tokens(loaded.model, ids, 12, stop))
     assert torch.equal(with_c[0], without[0]) and with_c[1] == without[1]
+
+
+def test_a_cached_prefix_gives_the_output_computed_without_it(checkpoint) -> None:
+    """A second request sharing a long prefix reuses its KV blocks (the experts of the
+    cached tokens are not run again) and still gets its greedy output computed alone."""
+    _, _, _, gguf = checkpoint
+    loaded = load_model(gguf, dtype=torch.float32, progress=False)
+    shared = prompts(6, seed=6)[-1][:40]
+    texts = [shared + [7, 8, 9], shared + [10, 11]]
+    stop = loaded.tokenizer.stop_ids
+    alone = [list(greedy_tokens(loaded.model, ids, 12, stop)) for ids in texts]
+    engine = create_engine(loaded.model, loaded.tokenizer, EngineConfig())
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    first, _ = run_engine(engine, {"a": (texts[0], params)})
+    second, _ = run_engine(engine, {"b": (texts[1], params)})
+    assert second[("b", 0)].outputs[-1].num_cached_tokens > 0
+    assert [first[("a", 0)].token_ids, second[("b", 0)].token_ids] == alone
