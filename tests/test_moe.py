@@ -241,3 +241,19 @@ def test_a_cached_prefix_gives_the_output_computed_without_it(checkpoint) -> Non
     second, _ = run_engine(engine, {"b": (texts[1], params)})
     assert second[("b", 0)].outputs[-1].num_cached_tokens > 0
     assert [first[("a", 0)].token_ids, second[("b", 0)].token_ids] == alone
+
+
+def test_every_expert_weighted_is_the_grouped_sum(checkpoint) -> None:
+    """The path a CUDA graph captures (every expert over every token, unchosen ones
+    weighted 0) gives the grouped path's output."""
+    _, _, directory, _ = checkpoint
+    moe = next(
+        layer.moe
+        for layer in load_model(directory, dtype=torch.float32, progress=False).model.layers
+        if layer.moe is not None
+    )
+    x = torch.randn(9, moe.router.weight.shape[1], generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        grouped = moe(x)
+        dense = moe.every_expert(x, *moe.route(x))
+    assert (grouped - dense).abs().max().item() < 1e-5

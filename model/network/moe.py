@@ -9,7 +9,8 @@ weighted outputs are summed in the order of its top-k, whatever else shares the 
 gate/up and down are ordinary linear layers, so the loader swaps them for quantised ones
 (model/quant/) as it does the dense layers'. Under tensor parallelism every rank holds
 every expert's slice of FFN rows (model/parallel/plan.py): its output is a partial sum
-the decoder layer adds up across ranks, as after a dense MLP.
+the decoder layer adds up across ranks, as after a dense MLP. A step captured in a CUDA
+graph cannot group (the counts live on the device): it runs every expert (`every_expert`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.every_expert(x, weights, ids)
         slots = ids.flatten()
         # Token slots sorted by expert: each expert's tokens are one contiguous run.
         order = torch.argsort(slots, stable=True)
@@ -84,3 +87,17 @@ class SparseMoE(nn.Module):
         unsorted = torch.empty_like(order)
         unsorted[order] = torch.arange(len(order), device=order.device)
         return outputs[unsorted].view(-1, self.top_k, x.shape[1]).sum(dim=1)
+
+    def every_expert(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert over every token, each weighted by what the router gave it (zero
+        where it was not chosen): the same sum with no host sync, for a step captured in a
+        CUDA graph (scheduler/runner/decode_graphs.py), which cannot wait for the counts that
+        grouping needs; it reads every expert's weights, so only graph replays of decodes
+        take it."""
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            weight = (weights * (ids == index)).sum(dim=-1, keepdim=True)
+            out = out + expert(x) * weight
+        return out
