@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from model.errors import UnsupportedModelError
-from model.families import family_for_gguf, family_for_hf
+from model.families import MOE_FAMILIES, family_for_gguf, family_for_hf
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
@@ -54,6 +54,17 @@ class ModelConfig:
     embed_scale: float = 1.0  # embeddings are multiplied by it (Gemma: sqrt(dim))
     sandwich_norms: bool = False  # an RMSNorm after attention and after the MLP too
     query_scale: float | None = None  # attention scale; None: head_dim ** -0.5
+    # OLMoE: one RMSNorm over the whole Q and K projections rather than over each head.
+    qk_norm_whole: bool = False
+    # Mixture of experts (Qwen3-MoE, OLMoE, Mixtral; model/network/moe.py): a softmax router picks
+    # `n_experts_used` of `n_experts` SwiGLU experts of width `expert_ffn_dim` per token, their
+    # weights renormalised to sum to 1 where `norm_topk_prob`; `dense_layers` keep a dense
+    # MLP of width `ffn_dim`.
+    n_experts: int = 0
+    n_experts_used: int = 0
+    expert_ffn_dim: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -68,6 +79,10 @@ class ModelConfig:
         if self.sliding_window is None or layer in self.full_attention_layers:
             return None
         return self.sliding_window
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer`'s MLP is a mixture of experts."""
+        return self.n_experts > 0 and layer not in self.dense_layers
 
     @property
     def n_rep(self) -> int:
@@ -84,12 +99,16 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         attn = self.dim * (self.q_size + 2 * self.kv_size) + self.q_size * self.dim
-        ffn = 3 * self.dim * self.ffn_dim
+        dense = 3 * self.dim * self.ffn_dim
+        sparse = self.n_experts * (3 * self.dim * self.expert_ffn_dim + self.dim)
+        n_sparse = sum(self.is_sparse(i) for i in range(self.n_layers))
+        ffn = n_sparse * sparse + (self.n_layers - n_sparse) * dense
         norms = (4 if self.sandwich_norms else 2) * self.dim
         norms += 2 * self.head_dim if self.qk_norm else 0
+        norms += self.q_size + self.kv_size if self.qk_norm_whole else 0
         attn += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
-        return self.n_layers * (attn + ffn + norms) + self.dim + embed
+        return self.n_layers * (attn + norms) + ffn + self.dim + embed
 
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -161,6 +180,18 @@ class ModelConfig:
                     f"{source}: unsupported rope scaling {arch['rope.scaling.type']!r}"
                 )
             vocab = arch.get("vocab_size") or len(md["tokenizer.ggml.tokens"])
+            extra = family.gguf_fields(arch, source)
+            if extra.get("n_experts"):
+                extra["dense_layers"] = tuple(
+                    i
+                    for i in range(arch["block_count"])
+                    if f"blk.{i}.ffn_gate_inp.weight" not in tensor_names
+                )
+            elif arch.get("expert_count"):
+                raise UnsupportedModelError(
+                    f"{source}: a mixture-of-experts {family.name!r} GGUF is not supported; "
+                    f"llamaserve runs mixture-of-experts {MOE_FAMILIES}"
+                )
             return cls(
                 dim=dim,
                 n_layers=arch["block_count"],
@@ -175,7 +206,7 @@ class ModelConfig:
                 max_position=arch.get("context_length", 2048),
                 tie_embeddings="output.weight" not in tensor_names,
                 architecture=family.name,
-                **family.gguf_fields(arch, source),
+                **extra,
             )
         except KeyError as exc:
             raise UnsupportedModelError(f"{source}: missing GGUF metadata {exc}") from None

@@ -15,10 +15,16 @@ from transformers import (
     Gemma3TextConfig,
     MistralConfig,
     MistralForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 from tests import q6_k
@@ -63,9 +69,52 @@ FAMILIES = {
             tie_word_embeddings=True,
         ),
     ),
+    # Mixtures of experts: 8 experts, 2 chosen per token, so most are left out. Qwen3-MoE's
+    # middle layer keeps a dense MLP (`mlp_only_layers`), and it renormalises the chosen
+    # weights, as every released one does and llama.cpp always does; OLMoE does not.
+    "qwen3_moe": (
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        dict(
+            num_hidden_layers=3,
+            head_dim=16,
+            num_attention_heads=4,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
+    "olmoe": (
+        OlmoeConfig,
+        OlmoeForCausalLM,
+        dict(
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            eos_token_id=1,
+        ),
+    ),
+    "mixtral": (
+        MixtralConfig,
+        MixtralForCausalLM,
+        dict(
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=None,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 # llama.cpp's converter stores Q/K rows as interleaved pairs for these (Trap 1).
-PERMUTED = {"mistral": "llama"}
+PERMUTED = {"mistral": "llama", "mixtral": "llama"}
+# llama.cpp's architecture names where they differ from transformers' model_type.
+GGUF_ARCH = {**PERMUTED, "qwen3_moe": "qwen3moe"}
 # Gemma's four norms as transformers and llama.cpp name them; llama.cpp stores 1 + w.
 GEMMA_NORMS = {
     "input_layernorm": "attn_norm",
@@ -85,6 +134,8 @@ def make_tiny(family: str, directory: Path, seed: int = 0, **overrides) -> torch
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a router that picks clear winners
+                p.normal_(0, 1.0)
             else:
                 p.normal_(0, 0.08)
     model.save_pretrained(directory)
@@ -104,6 +155,7 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.gate": "ffn_gate_inp",
 }
 
 
@@ -116,6 +168,33 @@ def _gguf_name(name: str, family: str) -> str:
     part, kind = rest.rsplit(".", 1)
     names = {**_LAYER, **GEMMA_NORMS} if family == "gemma3" else _LAYER
     return f"blk.{layer}.{names[part]}.{kind}"
+
+
+def _parts(name: str, data: np.ndarray, family: str) -> list[tuple[str, np.ndarray]]:
+    """transformers 5 holds a layer's experts as two stacked tensors, gate and up in one;
+    llama.cpp stores three, [n_expert, rows, columns] each."""
+    if not name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+        return [(_gguf_name(name, family), data)]
+    layer = name.split(".")[2]
+    if name.endswith("down_proj"):
+        return [(f"blk.{layer}.ffn_down_exps.weight", data)]
+    gate, up = np.split(data, 2, axis=1)
+    return [
+        (f"blk.{layer}.ffn_gate_exps.weight", gate.copy()),
+        (f"blk.{layer}.ffn_up_exps.weight", up.copy()),
+    ]
+
+
+def _add_tensor(
+    writer: GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType | None
+) -> None:
+    if qtype is None:
+        writer.add_tensor(name, data)
+    elif qtype == GGMLQuantizationType.Q6_K:  # which the gguf package cannot write
+        rows = q6_k.quantize(data.reshape(-1, data.shape[-1]))
+        writer.add_tensor(name, rows.reshape(*data.shape[:-1], -1), raw_dtype=qtype)
+    else:
+        writer.add_tensor(name, quantize(data, qtype), raw_dtype=qtype)
 
 
 def _interleave(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -135,13 +214,15 @@ def write_gguf(
     tokenizer_model: str = "gpt2",
     pre: str = "gpt-2",
     types: dict[str, GGMLQuantizationType] | None = None,
+    blocks: dict[str, tuple[np.ndarray, GGMLQuantizationType]] | None = None,
 ) -> Path:
     """The model's weights as float32 GGUF tensors (those `types` names quantised by the
-    `gguf` package; Q6_K by tests/q6_k.py), its config as `<arch>.*` metadata and the
+    `gguf` package; Q6_K by tests/q6_k.py; those `blocks` names replaced by the blocks given,
+    of a type nothing here writes, such as Q4_K), its config as `<arch>.*` metadata and the
     tokenizer of `hf_dir` as a GGUF vocabulary (`gpt2`, byte-level BPE, unless the test
     names another)."""
     c = model.config
-    arch = PERMUTED.get(family, family)
+    arch = GGUF_ARCH.get(family, family)
     writer = GGUFWriter(str(path), arch)
     writer.add_block_count(c.num_hidden_layers)
     writer.add_context_length(c.max_position_embeddings)
@@ -158,6 +239,12 @@ def write_gguf(
     writer.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])
     if getattr(c, "sliding_window", None):
         writer.add_sliding_window(c.sliding_window)
+    n_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
+    if n_experts:
+        writer.add_expert_count(n_experts)
+        writer.add_expert_used_count(c.num_experts_per_tok)
+        expert_ffn = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
+        writer.add_expert_feed_forward_length(expert_ffn)
     spec = json.loads((hf_dir / "tokenizer.json").read_text())
     vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
     tokens = sorted(vocab, key=vocab.get)
@@ -179,14 +266,12 @@ def write_gguf(
             data = _interleave(data, c.num_key_value_heads)
         elif family == "gemma3" and name.endswith("norm.weight"):
             data = data + 1
-        gguf_name = _gguf_name(name, family)
-        qtype = (types or {}).get(gguf_name)
-        if qtype is None:
-            writer.add_tensor(gguf_name, data)
-        elif qtype == GGMLQuantizationType.Q6_K:  # which the gguf package cannot write
-            writer.add_tensor(gguf_name, q6_k.quantize(data), raw_dtype=qtype)
-        else:
-            writer.add_tensor(gguf_name, quantize(data, qtype), raw_dtype=qtype)
+        for gguf_name, part in _parts(name, data, family):
+            if gguf_name in (blocks or {}):
+                raw, qtype = (blocks or {})[gguf_name]
+                writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+            else:
+                _add_tensor(writer, gguf_name, part, (types or {}).get(gguf_name))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

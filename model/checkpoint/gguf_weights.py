@@ -17,6 +17,12 @@ from gguf import GGMLQuantizationType
 
 from model.checkpoint.dequant import SUPPORTED_TYPES, UnsupportedQuantType, dequantize
 from model.checkpoint.file_blocks import FileBlocks
+from model.checkpoint.gguf_experts import (
+    count_stack_blocks,
+    expert_layer_keys,
+    is_expert_stack,
+    iter_expert_stack,
+)
 from model.checkpoint.gguf_file import GGUFFile, GGUFTensor
 from model.config import ModelConfig
 from model.errors import ModelFileError
@@ -41,6 +47,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp may store that the network does not use.
@@ -100,6 +107,11 @@ def iter_gguf_weights(
     for tensor in gguf.tensors:
         if tensor.name in _IGNORED or tensor.name in skip:
             continue
+        if is_expert_stack(tensor):
+            undecoded = tensor.tensor_type in file_blocks
+            block_bytes = ROW_BLOCK_BYTES if row_blocks else 1 << 62
+            yield from iter_expert_stack(gguf, tensor, dtype, undecoded, block_bytes)
+            continue
         name = hf_name(tensor.name)
         if name is None:
             raise ModelFileError(f"{gguf.path}: unexpected tensor {tensor.name!r}")
@@ -150,6 +162,7 @@ _TYPE_BITS = {
 _LINEAR_SUFFIXES = tuple(
     f"{name}.weight"
     for name in ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+    + ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 )
 
 
@@ -179,6 +192,8 @@ def _linear_types(gguf: GGUFFile) -> dict[str, set[str]]:
     """The block types each of our linear layers ('layers.3.qkv_proj') loads."""
     types: dict[str, set[str]] = {}
     for t in gguf.tensors:
+        for key in expert_layer_keys(t):
+            types.setdefault(key, set()).add(t.tensor_type.name)
         m = _LAYER_RE.fullmatch(t.name)
         if m and m.group(2) in _FUSED_INTO and m.group(3) == "weight":
             key = f"layers.{m.group(1)}.{_FUSED_INTO[m.group(2)]}"
@@ -227,9 +242,13 @@ def count_gguf_tensors(
     """How many tensors, or blocks of rows, `iter_gguf_weights` yields."""
     permuted = FAMILIES[config.architecture].gguf_permutes_qk
     tensors = [t for t in gguf.tensors if t.name not in _IGNORED and t.name not in skip]
+    stacks = [t for t in tensors if is_expert_stack(t)]
+    tensors = [t for t in tensors if not is_expert_stack(t)]
+    block_bytes = ROW_BLOCK_BYTES if row_blocks else 1 << 62
+    experts = sum(count_stack_blocks(t, t.tensor_type in file_blocks, block_bytes) for t in stacks)
     if not row_blocks:
-        return len(tensors)
-    return sum(
+        return len(tensors) + experts
+    return experts + sum(
         -(
             -(t.shape[-1] if len(t.shape) > 1 else 1)
             // _block_rows(t, permuted, _undecoded(t, file_blocks))

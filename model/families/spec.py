@@ -38,3 +38,9 @@ class Family:
     # An HF checkpoint's tensor -> the name and value `Llama.load_weights` takes, where the
     # family names or stores them differently (Gemma's norms).
     adapt_hf: Callable[[str, torch.Tensor], tuple[str, torch.Tensor]] = _as_stored
+    # GGUF's `general.architecture` where llama.cpp spells it otherwise (`qwen3moe`).
+    gguf_architecture: str | None = None
+
+    @property
+    def gguf_name(self) -> str:
+        return self.gguf_architecture or self.name

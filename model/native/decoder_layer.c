@@ -9,6 +9,8 @@
  * in Gemma 3) and residual.
  * decoder_layer_decode: for a batch of decodes, both around the cache writes and decode
  * attention: the whole layer in one call.
+ * A layer whose MLP is a mixture of experts (ffn 0) stops after the attention's residual:
+ * its caller runs the experts (model/network/moe.py).
  *
  * Each step rounds to bf16 where the PyTorch layer (model/decoder_layer.py) does: every
  * op's output is a bf16 tensor there, so it is here. Rows are computed alone, in the same
@@ -131,10 +133,11 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
                              int64_t attn_stride, int64_t rows, uint16_t *out) {
     const int64_t dim = l->dim, ffn = l->ffn, q_size = l->n_heads * l->head_dim;
     const int64_t n = rows > 0 ? rows : 1;
+    const int64_t f = ffn > 0 ? ffn : 1; /* malloc(0) may give NULL */
     uint16_t *projected = malloc(sizeof(uint16_t) * n * dim);
     uint16_t *normed = malloc(sizeof(uint16_t) * n * dim);
-    uint16_t *gate_up = malloc(sizeof(uint16_t) * n * 2 * ffn);
-    uint16_t *act = malloc(sizeof(uint16_t) * n * ffn);
+    uint16_t *gate_up = malloc(sizeof(uint16_t) * n * 2 * f);
+    uint16_t *act = malloc(sizeof(uint16_t) * n * f);
     int status = 2;
     if (!projected || !normed || !gate_up || !act) goto done;
     if ((status = matmul(&l->o, attn, attn_stride, projected, rows, dim, q_size))) goto done;
@@ -142,6 +145,7 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
         rms_norm_bf16(projected, l->attn_out_norm, projected, rows, dim, l->eps);
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(h[i], projected[i]);
+    if (ffn == 0) goto done; /* a mixture of experts: the caller's */
     rms_norm_bf16(out, l->post_attention_norm, normed, rows, dim, l->eps);
     if ((status = matmul(&l->gate_up, normed, dim, gate_up, rows, 2 * ffn, dim))) goto done;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)

@@ -2,7 +2,8 @@
 models whose linear layers all run on the C kernels (int4 with bf16 or int8 activations,
 int5, int6 or grouped int8, per projection), with each family's additions: Qwen2's Q/K/V
 bias, the per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms after attention and the MLP and
-its GELU-tanh gate.
+its GELU-tanh gate. A layer whose MLP is a mixture of experts stops after attention's
+residual add: its caller runs the experts (model/network/moe.py).
 
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
 casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
@@ -71,7 +72,8 @@ class _DecoderLayer(ctypes.Structure):
 
 class NativeDecoderLayer:
     """Holds one layer's weight pointers: `layer` is a DecoderLayer with bf16 norms (and
-    bias), `projections` its Q/K/V, O, gate/up and down weights; the caller checks."""
+    bias), `projections` its Q/K/V, O, gate/up and down weights (a mixture of experts' layer:
+    Q/K/V and O only); the caller checks."""
 
     def __init__(self, layer: torch.nn.Module, projections: list[NativeWeight]) -> None:
         library = load_library()
@@ -90,10 +92,10 @@ class NativeDecoderLayer:
         self.n_heads, self.n_kv, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         # The tensors are referenced here, so the pointers below stay valid.
         self._tensors: list[torch.Tensor] = []
-        weights = []
-        for weight, scales, kind in projections:
+        weights = [_Weight(None, None, 0)] * 4
+        for i, (weight, scales, kind) in enumerate(projections):
             self._tensors += [weight, scales]
-            weights.append(_Weight(weight.data_ptr(), scales.data_ptr(), kind))
+            weights[i] = _Weight(weight.data_ptr(), scales.data_ptr(), kind)
         optional = [
             layer.qkv_bias,
             *(
@@ -112,7 +114,7 @@ class NativeDecoderLayer:
             c.n_heads,
             c.n_kv_heads,
             c.head_dim,
-            c.ffn_dim,
+            c.ffn_dim if len(projections) == 4 else 0,  # 0: the experts are the caller's
             layer.input_layernorm.eps,
         )
         self._tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]

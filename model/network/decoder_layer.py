@@ -1,7 +1,8 @@
 """One decoder layer of every supported family: RMSNorm, attention with RoPE (GQA, with
 the Q/K/V bias of Qwen2 and the per-head Q/K norms of Qwen3 where the config has them, a
-sliding window where it sets one) and the gated FFN (SwiGLU, or Gemma's GELU-tanh), each
-with a residual add (normalised first in Gemma 3).
+sliding window where it sets one, OLMoE's Q/K norms over whole projections) and the gated
+FFN (SwiGLU, or Gemma's GELU-tanh; a mixture of experts, model/network/moe.py, in the
+layers the config makes sparse), each with a residual add (normalised first in Gemma 3).
 
 A pure function of tensors and one layer's paged cache; Q/K/V and gate/up are fused into
 one matmul each (fewer, larger GEMMs). `Llama` (model/network/llama.py) stacks these.
@@ -29,6 +30,7 @@ from model.native.layer import (
     NativeWeight,
 )
 from model.network.batch import Batch
+from model.network.moe import SparseMoE
 from model.network.rope import apply_rope
 from model.quant.int4 import NATIVE_INT4_KERNELS, Int4Linear
 from model.quant.int5 import Int5Linear
@@ -60,7 +62,7 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.config = config
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
@@ -71,12 +73,18 @@ class DecoderLayer(nn.Module):
             if config.qkv_bias
             else None
         )
-        self.q_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.norm_eps) if config.qk_norm else None
+        q_width, k_width = (
+            (config.q_size, config.kv_size) if config.qk_norm_whole else (config.head_dim,) * 2
+        )
+        qk_norm = config.qk_norm or config.qk_norm_whole
+        self.q_norm = RMSNorm(q_width, config.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(k_width, config.norm_eps) if qk_norm else None
         self.o_proj = nn.Linear(config.q_size, config.dim, bias=False)
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
-        self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False)
-        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        self.moe = SparseMoE(config) if config.is_sparse(index) else None
+        dense = self.moe is None
+        self.gate_up_proj = nn.Linear(config.dim, 2 * config.ffn_dim, bias=False) if dense else None
+        self.down_proj = nn.Linear(config.ffn_dim, config.dim, bias=False) if dense else None
         # Gemma 3 normalises what attention and the MLP add to the residual stream too.
         sandwich = config.sandwich_norms
         self.attn_out_norm = RMSNorm(config.dim, config.norm_eps) if sandwich else None
@@ -94,15 +102,18 @@ class DecoderLayer(nn.Module):
 
     def use_native(self) -> bool:
         """Runs around attention in two native calls where every part fits (bf16 norms
-        and bias, every projection on a C kernel) and without tensor parallelism."""
+        and bias, every projection on a C kernel) and without tensor parallelism. With a
+        mixture of experts the C layer stops after attention and the experts run here; it
+        has no whole-projection Q/K norms (OLMoE)."""
+        if self.config.qk_norm_whole:
+            self.native = None
+            return False
         norms = (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm)
         norms += (self.attn_out_norm, self.ffn_out_norm)
         tensors = [n.weight for n in norms if n is not None]
         tensors += [self.qkv_bias] if self.qkv_bias is not None else []
-        projections = [
-            _native_weight(p)
-            for p in (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
-        ]
+        linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        projections = [_native_weight(p) for p in linears if p is not None]
         fits = (
             self.reduce is None
             and all(t.dtype == torch.bfloat16 for t in tensors)
@@ -131,19 +142,27 @@ class DecoderLayer(nn.Module):
             and rope[0].dtype == torch.float32  # the C layer reads fp32 angles
         ):
             decodes = getattr(plan, "decodes", None)  # the C attention's plan of decodes only
+            out = None
             if decodes is not None:
                 out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale, window)
-                if out is not None:
-                    return out
-            q, k, v = self.native.attention_input(h, *rope)
-            attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
-            return self.native.attention_output(h, attn)
+            if out is None:
+                q, k, v = self.native.attention_input(h, *rope)
+                attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
+                out = self.native.attention_output(h, attn)
+            if self.moe is not None:  # the C layer stopped after attention's residual
+                out = out + self.moe(self.post_attention_layernorm(out))
+            return out
         qkv = self.qkv_proj(self.input_layernorm(h))
         if self.qkv_bias is not None:
             qkv = qkv + self.qkv_bias
+        if c.qk_norm_whole and self.q_norm is not None and self.k_norm is not None:
+            q, k, v = qkv.split([c.q_size, c.kv_size, c.kv_size], dim=-1)
+            qkv = torch.cat(
+                [self._whole_norm(q, self.q_norm), self._whole_norm(k, self.k_norm), v], -1
+            )
         qk, v = qkv.split([c.q_size + c.kv_size, c.kv_size], dim=-1)
         qk = qk.reshape(-1, c.n_heads + c.n_kv_heads, c.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None and not c.qk_norm_whole:
             q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
             qk = torch.cat([self.q_norm(q), self.k_norm(k)], dim=1)
         rotated = self.rope_kernel(qk, *rope) if self.rope_kernel is not None else None
@@ -152,8 +171,26 @@ class DecoderLayer(nn.Module):
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
         attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
         h = h + self._added(self.o_proj(attn.reshape(-1, c.q_size)), self.attn_out_norm)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self._added(self.down_proj(self.act(gate) * up), self.ffn_out_norm)
+        return h + self._added(self._mlp(self.post_attention_layernorm(h)), self.ffn_out_norm)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if self.moe is not None:
+            return self.moe(x)
+        assert self.gate_up_proj is not None and self.down_proj is not None
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+    def _whole_norm(self, x: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """OLMoE's norm over a whole Q or K projection. Under tensor parallelism each rank
+        holds some heads' rows: the ranks add up their sums of squares and their widths (a
+        KV head two ranks both hold counts twice in both, so the mean stays right)."""
+        if self.reduce is None:
+            return norm(x)
+        xf = x.float()
+        width = torch.full_like(xf[:, :1], xf.shape[-1])
+        sums = self.reduce(torch.cat([xf.pow(2).sum(-1, keepdim=True), width], dim=-1))
+        xf = xf * torch.rsqrt(sums[:, :1] / sums[:, 1:] + norm.eps)
+        return norm.weight * xf.to(x.dtype)
 
     def _added(self, out: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
         """What a sub-block adds to the residual stream: the ranks' partial sums added up,

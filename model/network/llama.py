@@ -7,6 +7,7 @@ tensors in the HF (rotate-halves) RoPE layout and fills the fused ones.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable, Mapping
 
 import torch
@@ -30,6 +31,7 @@ from model.quant.factory import quantized_linear
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
 
+logger = logging.getLogger(__name__)
 # Linear layers ('layers.3.down_proj') in another quantization than the model's.
 LayerQuantizations = Mapping[str, str]
 # The kernel plan's int4 kernel per (int4 or w4a8, in, out) (model/plan/int4_kernel.py).
@@ -59,7 +61,7 @@ class Llama(nn.Module):
         # Rank 0 of a tensor-parallel group broadcasts each step here (model/parallel/steps.py).
         self.before_forward: Callable[[Batch, PagedKVCache], None] | None = None
         self.embed_tokens = nn.Embedding(vocab_rows, config.dim)
-        self.layers = nn.ModuleList(DecoderLayer(self.config) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(DecoderLayer(self.config, i) for i in range(config.n_layers))
         if tp:
             for layer in self.layers:
                 layer.reduce = all_reduce
@@ -100,7 +102,18 @@ class Llama(nn.Module):
 
     def use_native_layers(self) -> int:
         """Native decoder layers where their parts fit (model/native/layer.py): how many."""
-        return sum(layer.use_native() for layer in self.layers)
+        native = sum(layer.use_native() for layer in self.layers)
+        sparse = sum(layer.moe is not None for layer in self.layers)
+        if sparse:
+            logger.info(
+                "mixture of experts: %d of %d layers run attention in the C decoder layer; "
+                "the experts of %d layers run in PyTorch, each expert's products on its "
+                "quantised layer's kernel",
+                native,
+                len(self.layers),
+                sparse,
+            )
+        return native
 
     def quantize_linears(
         self,
@@ -116,14 +129,17 @@ class Llama(nn.Module):
         (none: PyTorch's)."""
         layer_quantizations = layer_quantizations or {}
         int4_kernels = int4_kernels or {}
-        for index, owner in enumerate(self.layers):
-            for name, child in list(owner.named_children()):
+        for index, layer in enumerate(self.layers):
+            # A mixture of experts' linear layers sit one level down ('moe.experts.3.down_proj').
+            for name, child in list(layer.named_modules()):
                 if isinstance(child, nn.Linear):
                     key = f"layers.{index}.{name}"
                     own = layer_quantizations.get(key, quantization)
                     shape = (child.in_features, child.out_features)
                     kernel = int4_kernels.get((own, *shape))
-                    setattr(owner, name, quantized_linear(own, *shape, "meta", kernel))
+                    owner, _, attr = name.rpartition(".")
+                    parent = layer.get_submodule(owner) if owner else layer
+                    setattr(parent, attr, quantized_linear(own, *shape, "meta", kernel))
 
     def quantize_head(self, int6: bool = False) -> None:
         """Swaps the output projection for an empty grouped-int8 one (or an int6 one, for a

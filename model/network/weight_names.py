@@ -1,15 +1,39 @@
 """Where each tensor of a checkpoint lands in the network: HF names (the name every
 checkpoint reader in model/checkpoint/ hands over) mapped onto our fused parameters
-(Q/K/V in one weight, gate/up in one), every parameter filled exactly once."""
+(Q/K/V in one weight, gate/up in one, each expert's gate/up in one), every parameter
+filled exactly once."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
 from torch import nn
 
 from model.checkpoint.file_blocks import FileBlocks
+
+# transformers' names of a mixture of experts' tensors (model/network/moe.py's are `moe.*`).
+_EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.")
+_ROUTER = ".mlp.gate.weight"
+
+
+def _expert_part(name: str, expert_ffn_dim: int) -> tuple[str, int] | None:
+    """An HF expert tensor's name -> (our name, row offset into the fused weight)."""
+    m = _EXPERT.search(name)
+    if m is None:
+        return None
+    ours = "down_proj" if m.group(2) == "down" else "gate_up_proj"
+    row = expert_ffn_dim if m.group(2) == "up" else 0
+    return name.replace(m.group(0), f".moe.experts.{m.group(1)}.{ours}."), row
+
+
+def _expert_keys(layer: int, n_experts: int, expert_ffn_dim: int) -> set[str]:
+    return {
+        f"layers.{layer}.moe.experts.{e}.{ours}.weight@{row}"
+        for e in range(n_experts)
+        for ours, row in (("gate_up_proj", 0), ("gate_up_proj", expert_ffn_dim), ("down_proj", 0))
+    }
 
 
 def load_named_weights(
@@ -33,8 +57,13 @@ def load_named_weights(
     quantized = model.quantized_modules()
     expected = {f"{n}@0" for n in params if "proj" not in n and "qkv_bias" not in n}
     expected.add("lm_head.weight@0")
+    attention = [v for k, v in fused.items() if k.startswith("self_attn")]
     for i in range(c.n_layers):
-        expected |= {f"layers.{i}.{ours}.weight@{row}" for ours, row in fused.values()}
+        sparse = c.is_sparse(i)
+        parts = attention if sparse else fused.values()
+        expected |= {f"layers.{i}.{ours}.weight@{row}" for ours, row in parts}
+        if sparse:
+            expected |= _expert_keys(i, c.n_experts, c.expert_ffn_dim)
         if c.qkv_bias:
             expected |= {
                 f"layers.{i}.qkv_bias@{row}" for row in (0, c.q_size, c.q_size + c.kv_size)
@@ -50,8 +79,13 @@ def load_named_weights(
         block_row = rows_in.get(hf_name, 0)
         rows_in[hf_name] = block_row + (tensor.shape[0] if len(tensor.shape) > 1 else 1)
         row = 0
+        expert = _expert_part(name, c.expert_ffn_dim)
+        if expert is not None:
+            name, row = expert
+        elif name.endswith(_ROUTER):
+            name = name.replace(_ROUTER, ".moe.router.weight")
         for hf_part, (ours, offset) in fused.items():
-            if f".{hf_part}." in name:
+            if expert is None and f".{hf_part}." in name:
                 name, row = name.replace(hf_part, ours), offset
                 break
         name = name.replace("qkv_proj.bias", "qkv_bias")

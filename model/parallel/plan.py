@@ -1,7 +1,11 @@
 """Which part of the model a rank holds, and how each checkpoint tensor is cut for it.
 
 Column-parallel (output rows split): Q/K/V by heads, gate/up by FFN rows; row-parallel
-(input columns split, summed by an all-reduce): O and down; vocabulary-parallel: the
+(input columns split, summed by an all-reduce): O and down; a mixture of experts is split
+the same way inside each expert (every rank holds every expert's slice of FFN rows and the
+whole router, so routing needs no communication and the experts' work is shared evenly
+whichever ones tokens pick); OLMoE's whole-projection Q/K norms follow their heads' rows
+(model/network/decoder_layer.py adds up their sums of squares); vocabulary-parallel: the
 embedding and the output projection by vocabulary rows. Rank r holds query heads
 [r * n_heads / N, (r + 1) * n_heads / N) and the KV heads those heads read; where there
 are fewer KV heads than ranks, each KV head is replicated on the N / n_kv_heads ranks whose
@@ -11,6 +15,7 @@ query heads share it (as vLLM does).
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +26,10 @@ import torch
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 
+# An expert's gate/up/down as transformers saves it (Mixtral's as w1/w3/w2).
+_EXPERT = re.compile(
+    r"\.(?:mlp|block_sparse_moe)\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$"
+)
 _KV_ROWS = tuple(f"self_attn.{p}_proj.{kind}" for p in "kv" for kind in ("weight", "bias"))
 
 
@@ -46,6 +55,11 @@ class TensorParallel:
             raise UnsupportedModelError(
                 f"--tensor-parallel-size {n} does not divide the model's FFN size {config.ffn_dim}"
             )
+        if config.expert_ffn_dim % n:
+            raise UnsupportedModelError(
+                f"--tensor-parallel-size {n} does not divide the model's expert FFN size "
+                f"{config.expert_ffn_dim}"
+            )
 
     @staticmethod
     def same_format_on_every_rank(
@@ -67,6 +81,7 @@ class TensorParallel:
             n_heads=config.n_heads // self.size,
             n_kv_heads=max(1, config.n_kv_heads // self.size),
             ffn_dim=config.ffn_dim // self.size,
+            expert_ffn_dim=config.expert_ffn_dim // self.size,
         )
 
     def vocab_rows(self, vocab_size: int) -> tuple[int, int]:
@@ -92,6 +107,16 @@ class TensorParallel:
         if name.endswith(_KV_ROWS):
             first, end = self.kv_heads(config)
             return tensor[first * hd : end * hd]
+        if config.qk_norm_whole and name.endswith("self_attn.q_norm.weight"):
+            per_rank = config.q_size // n
+            return tensor[r * per_rank : (r + 1) * per_rank]
+        if config.qk_norm_whole and name.endswith("self_attn.k_norm.weight"):
+            first, end = self.kv_heads(config)
+            return tensor[first * hd : end * hd]
+        if expert := _EXPERT.search(name):
+            per_rank = config.expert_ffn_dim // n
+            cut = slice(r * per_rank, (r + 1) * per_rank)
+            return tensor[:, cut] if expert.group(1) in ("down_proj", "w2") else tensor[cut]
         if name.endswith("self_attn.o_proj.weight"):
             per_rank = config.q_size // n
             return tensor[:, r * per_rank : (r + 1) * per_rank]

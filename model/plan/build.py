@@ -14,7 +14,12 @@ from model.config import ModelConfig
 from model.plan.head_format import head_int8
 from model.plan.int4_kernel import int4_format_kernel
 from model.plan.kernel_plan import Int4Kernels, KernelPlan, attention_name, native_argmax_available
-from model.plan.layer_formats import LINEAR_NAMES, head_in_int6, layer_quantizations, layer_shape
+from model.plan.layer_formats import (
+    head_in_int6,
+    key_shape,
+    layer_quantizations,
+    linear_keys,
+)
 from model.plan.mode import check_mode, check_quantization
 from model.plan.weight_format import WeightFormat, resolve_weight_format
 
@@ -55,7 +60,7 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         device,
         facts.checkpoint_bits,
         flags.batch_invariant,
-        some_4_bit=len(facts.wide_linears) < 4 * config.n_layers,
+        some_4_bit=len(facts.wide_linears) < len(linear_keys(config)),
         mode=mode,
     )
     head = None
@@ -75,7 +80,7 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         mode=mode,
         device=device,
         weight_format=fmt,
-        n_layers=config.n_layers,
+        n_linears=len(linear_keys(config)),
         layer_quantizations=own,
         head=head,
         int4_kernels=int4_kernels(mode, config, fmt, own, dev),
@@ -90,14 +95,13 @@ def int4_kernels(
     """The kernel of each int4 and w4a8 layer shape the model holds, every shape being
     known from its config."""
     kernels: Int4Kernels = {}
-    for index in range(config.n_layers):
-        for name in LINEAR_NAMES:
-            quantization = own.get(f"layers.{index}.{name}", fmt.quantization)
-            shape = layer_shape(config, name)
-            if (quantization, *shape) not in kernels:
-                kernel = int4_format_kernel(mode, quantization, *shape, device)
-                if kernel is not None:
-                    kernels[(quantization, *shape)] = kernel
+    for key in linear_keys(config):
+        quantization = own.get(key, fmt.quantization)
+        shape = key_shape(config, key)
+        if (quantization, *shape) not in kernels:
+            kernel = int4_format_kernel(mode, quantization, *shape, device)
+            if kernel is not None:
+                kernels[(quantization, *shape)] = kernel
     return kernels
 
 

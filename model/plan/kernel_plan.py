@@ -35,7 +35,7 @@ class KernelPlan:
     mode: str  # --cpu-kernels: auto, native or torch (model/plan/mode.py)
     device: str
     weight_format: WeightFormat
-    n_layers: int
+    n_linears: int  # the decoder's linear layers, each expert's counted
     # The decoder linear layers ('layers.3.down_proj') whose format is not the model's.
     layer_quantizations: dict[str, str] = field(default_factory=dict)
     head: str | None = None  # the output projection's format: int8, int6, or None (dtype)
@@ -46,7 +46,7 @@ class KernelPlan:
     def formats(self) -> str:
         """The weight format with its layers' mix and the output projection's, for the
         loader's log line: 'bfloat16 + int4 (output projection int8)'."""
-        line = describe_formats(self.weight_format, self.layer_quantizations, self.n_layers)
+        line = describe_formats(self.weight_format, self.layer_quantizations, self.n_linears)
         return line + (f" (output projection {self.head})" if self.head else "")
 
     def argmax_kernel(self) -> NativeArgmax | None:

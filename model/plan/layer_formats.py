@@ -62,10 +62,10 @@ def layer_quantizations(
         own.update(dict.fromkeys(q5, "w5a8"))
     elif q5 and int5_pays(config, device):
         own.update(dict.fromkeys(q5, INT5.quantization))
-    q6 = [key for key in in_int8g(q6_k) if _shape(config, key)[0] % INT6_SUPER_BLOCK == 0]
-    for in_features, out_features in sorted({_shape(config, key) for key in q6}):
+    q6 = [key for key in in_int8g(q6_k) if key_shape(config, key)[0] % INT6_SUPER_BLOCK == 0]
+    for in_features, out_features in sorted({key_shape(config, key) for key in q6}):
         if int6_pays(in_features, out_features):
-            same = [key for key in q6 if _shape(config, key) == (in_features, out_features)]
+            same = [key for key in q6 if key_shape(config, key) == (in_features, out_features)]
             own.update(dict.fromkeys(same, INT6.quantization))
     return own
 
@@ -125,21 +125,42 @@ def head_in_int6(config: ModelConfig, block_type: str | None) -> bool:
     return int6_pays(config.dim, config.vocab_size, logits=True)
 
 
-def describe(fmt: WeightFormat, layer_quantizations: dict[str, str], n_layers: int) -> str:
+def linear_keys(config: ModelConfig) -> list[str]:
+    """Every decoder linear layer's name ('layers.3.down_proj'; a mixture of experts'
+    'layers.3.moe.experts.5.down_proj')."""
+    keys = []
+    for index in range(config.n_layers):
+        if config.is_sparse(index):
+            keys += [f"layers.{index}.{name}" for name in LINEAR_NAMES[:2]]
+            keys += [
+                f"layers.{index}.moe.experts.{e}.{name}"
+                for e in range(config.n_experts)
+                for name in LINEAR_NAMES[2:]
+            ]
+        else:
+            keys += [f"layers.{index}.{name}" for name in LINEAR_NAMES]
+    return keys
+
+
+def describe(fmt: WeightFormat, layer_quantizations: dict[str, str], n_linears: int) -> str:
     """The format with its layers' mix, for the start-up log: 'bfloat16 + int4 (12),
     int5 (60), int8g (24) linear layers'."""
     if not layer_quantizations:
         return fmt.describe()
     counts = Counter(layer_quantizations.values())
-    counts[fmt.quantization] += LINEARS_PER_LAYER * n_layers - len(layer_quantizations)
+    counts[fmt.quantization] += n_linears - len(layer_quantizations)
     parts = [f"{name} ({n})" for name, n in sorted(counts.items()) if n]
     dtype = str(fmt.dtype).removeprefix("torch.")
     return f"{dtype} + {', '.join(parts)} linear layers"
 
 
-def _shape(config: ModelConfig, key: str) -> tuple[int, int]:
-    """(in, out) of a layer named 'layers.3.down_proj'."""
-    return layer_shape(config, key.rsplit(".", 1)[1])
+def key_shape(config: ModelConfig, key: str) -> tuple[int, int]:
+    """(in, out) of a layer named 'layers.3.down_proj' (or 'layers.3.moe.experts.5.down_proj')."""
+    name = key.rsplit(".", 1)[1]
+    if ".experts." in key:
+        ffn = config.expert_ffn_dim
+        return (config.dim, 2 * ffn) if name == "gate_up_proj" else (ffn, config.dim)
+    return layer_shape(config, name)
 
 
 def layer_shape(config: ModelConfig, name: str) -> tuple[int, int]:

@@ -162,17 +162,24 @@ def _float_formats(device: torch.device) -> list[WeightFormat]:
 
 
 def _linear_shapes(config: ModelConfig) -> list[tuple[int, int]]:
-    """(in, out) of one decoder layer's linear layers, Q/K/V and gate/up fused."""
-    return [
+    """(in, out) of one decoder layer's linear layers, Q/K/V and gate/up fused; in a
+    mixture of experts, the experts a token goes through in place of the dense MLP."""
+    attention = [
         (config.dim, config.q_size + 2 * config.kv_size),
         (config.q_size, config.dim),
-        (config.dim, 2 * config.ffn_dim),
-        (config.ffn_dim, config.dim),
     ]
+    if config.n_experts:
+        return attention + _ffn_shapes(config.dim, config.expert_ffn_dim) * config.n_experts_used
+    return attention + _ffn_shapes(config.dim, config.ffn_dim)
+
+
+def _ffn_shapes(dim: int, ffn_dim: int) -> list[tuple[int, int]]:
+    return [(dim, 2 * ffn_dim), (ffn_dim, dim)]
 
 
 def int4_fits(config: ModelConfig) -> bool:
-    return all(i % INT4_GROUP == 0 and o % 16 == 0 for i, o in _linear_shapes(config))
+    shapes = _linear_shapes(config) + _ffn_shapes(config.dim, config.ffn_dim)
+    return all(i % INT4_GROUP == 0 and o % 16 == 0 for i, o in shapes)
 
 
 def layer_step_ms(

@@ -1,0 +1,103 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, OLMoE, Mixtral): a softmax router in fp32 picks the top
+`n_experts_used` of `n_experts` SwiGLU experts for each token, their weights renormalised
+to sum to 1 where the config says so, and the token's output is the weighted sum of theirs.
+
+A step's token slots are grouped by expert (sorted by expert id), so each chosen expert
+runs once over all the tokens that chose it and its weights are read once per step
+however many tokens chose it; experts no token chose are not read at all. A token's k
+weighted outputs are summed in the order of its top-k, whatever else shares the step. Each expert's
+gate/up and down are ordinary linear layers, so the loader swaps them for quantised ones
+(model/quant/) as it does the dense layers'. Under tensor parallelism every rank holds
+every expert's slice of FFN rows (model/parallel/plan.py): its output is a partial sum
+the decoder layer adds up across ranks, as after a dense MLP. A step captured in a CUDA
+graph cannot group (the counts live on the device): it runs every expert (`every_expert`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from model.config import ModelConfig
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert, gate and up fused into one matmul."""
+
+    def __init__(self, dim: int, ffn_dim: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * ffn_dim, bias=False)
+        self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class Router(nn.Module):
+    """The router's weight, [n_experts, dim]; not a linear layer, so it is never quantised:
+    a rounded router can pick other experts, a larger error than any rounded expert's."""
+
+    def __init__(self, n_experts: int, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_experts, dim))
+
+
+class SparseMoE(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = config.n_experts_used
+        self.norm_topk_prob = config.norm_topk_prob
+        self.router = Router(config.n_experts, config.dim)
+        self.experts = nn.ModuleList(
+            Expert(config.dim, config.expert_ffn_dim) for _ in range(config.n_experts)
+        )
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k]), as transformers routes: the
+        logits in the activations' dtype, softmax and renormalisation in fp32."""
+        logits = F.linear(x, self.router.weight.to(x.dtype))
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.every_expert(x, weights, ids)
+        slots = ids.flatten()
+        # Token slots sorted by expert: each expert's tokens are one contiguous run.
+        order = torch.argsort(slots, stable=True)
+        counts = torch.bincount(slots, minlength=len(self.experts)).tolist()
+        tokens = order // self.top_k
+        slot_weights = weights.flatten()[order].unsqueeze(1)
+        # Each slot's weighted output, in sorted order; a token's k outputs are then put
+        # back side by side and summed. `index_add_` did the same in place, but in bf16 on
+        # the CPU it took 2.8 ms a call, more than the experts' products.
+        outputs = x.new_empty(len(slots), x.shape[1])
+        start = 0
+        for expert, count in zip(self.experts, counts, strict=True):
+            if count:
+                run = slice(start, start + count)
+                outputs[run] = expert(x[tokens[run]]) * slot_weights[run]
+                start += count
+        unsorted = torch.empty_like(order)
+        unsorted[order] = torch.arange(len(order), device=order.device)
+        return outputs[unsorted].view(-1, self.top_k, x.shape[1]).sum(dim=1)
+
+    def every_expert(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert over every token, each weighted by what the router gave it (zero
+        where it was not chosen): the same sum with no host sync, for a step captured in a
+        CUDA graph (scheduler/runner/decode_graphs.py), which cannot wait for the counts that
+        grouping needs; it reads every expert's weights, so only graph replays of decodes
+        take it."""
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            weight = (weights * (ids == index)).sum(dim=-1, keepdim=True)
+            out = out + expert(x) * weight
+        return out
