@@ -46,10 +46,10 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, torch.nn.Module, Path, P
     return family, hf, directory, gguf
 
 
-def model_logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
-    cache = PagedKVCache.allocate(model.config, 64, BLOCK, model.dtype)
-    table = list(range(-(-len(ids) // BLOCK)))
-    return model(Batch.build([ids], [0], [table], BLOCK, "cpu", all_logits=True), cache)
+def model_logits(model: torch.nn.Module, ids: list[int], block: int = BLOCK) -> torch.Tensor:
+    cache = PagedKVCache.allocate(model.config, 64, block, model.dtype)
+    table = list(range(-(-len(ids) // block)))
+    return model(Batch.build([ids], [0], [table], block, "cpu", all_logits=True), cache)
 
 
 @pytest.mark.parametrize("backend", ["torch_ref", "cpu_paged"])
@@ -70,6 +70,22 @@ def test_logits_match_transformers(checkpoint, source, backend) -> None:
     for ids in prompts():
         got = model_logits(loaded.model, ids)
         assert (got - hf_logits(hf, ids)).abs().max().item() < 1e-4, (family, len(ids))
+
+
+def test_logits_on_the_triton_backend_match_transformers(checkpoint) -> None:
+    """The CUDA backend's attention kernels with the experts around them (under Triton's
+    interpreter where no GPU is lent): the same logits as transformers'."""
+    pytest.importorskip("triton")
+    family, hf, directory, _ = checkpoint
+    if family != "qwen3_moe":
+        pytest.skip("the backend is attention's: one family's experts around it suffice")
+    loaded = load_model(
+        directory, dtype=torch.float32, progress=False, attention_backend="triton_paged"
+    )
+    assert loaded.model.attention.name == "triton_paged"
+    ids = prompts()[-1]
+    got = model_logits(loaded.model, ids, block=16)  # the kernels' smallest block
+    assert (got - hf_logits(hf, ids)).abs().max().item() < 1e-4, family
 
 
 def test_the_router_matters(checkpoint) -> None:
