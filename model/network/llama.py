@@ -105,13 +105,18 @@ class Llama(nn.Module):
         native = sum(layer.use_native() for layer in self.layers)
         sparse = sum(layer.moe is not None for layer in self.layers)
         if sparse:
+            in_c = sum(
+                layer.moe is not None and layer.moe.native is not None for layer in self.layers
+            )
             logger.info(
                 "mixture of experts: %d of %d layers run attention in the C decoder layer; "
-                "the experts of %d layers run in PyTorch, each expert's products on its "
-                "quantised layer's kernel",
+                "the experts of %d of %d layers run in one C call a layer, the other %d's in "
+                "PyTorch, each expert's products on its quantised layer's kernel",
                 native,
                 len(self.layers),
+                in_c,
                 sparse,
+                sparse - in_c,
             )
         return native
 
