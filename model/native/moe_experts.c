@@ -26,20 +26,20 @@ typedef struct {
     int64_t n_experts, top_k, dim, ffn;
 } moe_experts;
 
-/* The buffers of a step, each slot's rows at its place in expert order. */
+/* The buffers of a step, each slot's rows at its place in expert order; `x` holds a
+ * slot's input row, then its weighted output. */
 typedef struct {
     const int64_t *order; /* [slots] the slots sorted by expert, stable */
-    uint16_t *x, *gate_up, *act, *y;
+    uint16_t *x, *gate_up, *act;
 } moe_step;
 
 /* Expert e over its `count` slots from `start`: gathers their rows, runs the expert and
- * writes each slot's weighted output at the slot's own place in `slot_out`. */
+ * leaves each slot's weighted output in place of its input row. */
 static int run_expert(const moe_experts *m, const moe_step *s, int64_t e, int64_t start,
-                      int64_t count, const uint16_t *x, const uint16_t *weights,
-                      uint16_t *slot_out) {
+                      int64_t count, const uint16_t *x, const uint16_t *weights) {
     const int64_t dim = m->dim, ffn = m->ffn;
     uint16_t *xg = s->x + start * dim, *gu = s->gate_up + start * 2 * ffn;
-    uint16_t *act = s->act + start * ffn, *y = s->y + start * dim;
+    uint16_t *act = s->act + start * ffn, *y = xg; /* the rows are read before y is written */
     for (int64_t i = 0; i < count; i++)
         memcpy(xg + i * dim, x + s->order[start + i] / m->top_k * dim, sizeof(uint16_t) * dim);
     int status = layer_matmul(&m->gate_up[e], xg, dim, gu, count, 2 * ffn, dim);
@@ -52,17 +52,15 @@ static int run_expert(const moe_experts *m, const moe_step *s, int64_t e, int64_
         }
     if ((status = layer_matmul(&m->down[e], act, ffn, y, count, dim, ffn))) return status;
     for (int64_t r = 0; r < count; r++) {
-        const int64_t slot = s->order[start + r];
-        const float w = from_bf16(weights[slot]);
-        for (int64_t i = 0; i < dim; i++)
-            slot_out[slot * dim + i] = to_bf16(from_bf16(y[r * dim + i]) * w);
+        const float w = from_bf16(weights[s->order[start + r]]);
+        for (int64_t i = 0; i < dim; i++) y[r * dim + i] = to_bf16(from_bf16(y[r * dim + i]) * w);
     }
     return 0;
 }
 
 /* Runs every chosen expert over its slots (starts [n_experts + 1]). */
 static int run_experts(const moe_experts *m, const moe_step *s, const int64_t *starts,
-                       const uint16_t *x, const uint16_t *weights, uint16_t *slot_out) {
+                       const uint16_t *x, const uint16_t *weights) {
     int64_t *active = malloc(sizeof(int64_t) * m->n_experts);
     if (active == NULL) return 2;
     int64_t n_active = 0;
@@ -73,8 +71,7 @@ static int run_experts(const moe_experts *m, const moe_step *s, const int64_t *s
 #pragma omp parallel for schedule(dynamic, 1) reduction(max : status) if (whole_experts)
     for (int64_t i = 0; i < n_active; i++) {
         const int64_t e = active[i];
-        const int got = run_expert(m, s, e, starts[e], starts[e + 1] - starts[e], x, weights,
-                                   slot_out);
+        const int got = run_expert(m, s, e, starts[e], starts[e + 1] - starts[e], x, weights);
         status = got > status ? got : status;
     }
     free(active);
@@ -93,24 +90,26 @@ int moe_experts_bf16(const moe_experts *m, const uint16_t *x, int64_t rows, cons
         if (ids[i] < 0 || ids[i] >= m->n_experts) return 1;
     int64_t *starts = calloc(m->n_experts + 1, sizeof(int64_t));
     int64_t *fill = malloc(sizeof(int64_t) * (m->n_experts + 1));
-    int64_t *order = malloc(sizeof(int64_t) * n);
+    int64_t *order = malloc(sizeof(int64_t) * n), *place = malloc(sizeof(int64_t) * n);
     moe_step s = {order, malloc(sizeof(uint16_t) * n * dim), malloc(sizeof(uint16_t) * n * 2 * ffn),
-                  malloc(sizeof(uint16_t) * n * ffn), malloc(sizeof(uint16_t) * n * dim)};
-    uint16_t *slot_out = malloc(sizeof(uint16_t) * n * dim);
+                  malloc(sizeof(uint16_t) * n * ffn)};
+    float *sum = malloc(sizeof(float) * dim);
     int status = 2;
-    if (!starts || !fill || !order || !s.x || !s.gate_up || !s.act || !s.y || !slot_out) goto done;
+    if (!starts || !fill || !order || !place || !s.x || !s.gate_up || !s.act || !sum) goto done;
     for (int64_t i = 0; i < slots; i++) starts[ids[i] + 1]++;
     for (int64_t e = 0; e < m->n_experts; e++) starts[e + 1] += starts[e];
     memcpy(fill, starts, sizeof(int64_t) * (m->n_experts + 1));
-    for (int64_t i = 0; i < slots; i++) order[fill[ids[i]]++] = i;
-    if ((status = run_experts(m, &s, starts, x, weights, slot_out))) goto done;
+    for (int64_t i = 0; i < slots; i++) {
+        place[i] = fill[ids[i]]++;
+        order[place[i]] = i;
+    }
+    if ((status = run_experts(m, &s, starts, x, weights))) goto done;
     /* A token's k outputs summed in fp32 in top-k order and rounded once, as torch sums
      * bf16; then added to the residual. */
-    float *sum = (float *)s.y; /* free by now, and large enough for one row in fp32 */
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t i = 0; i < dim; i++) sum[i] = 0.0f;
         for (int64_t j = 0; j < k; j++)
-            for (int64_t i = 0; i < dim; i++) sum[i] += from_bf16(slot_out[(r * k + j) * dim + i]);
+            for (int64_t i = 0; i < dim; i++) sum[i] += from_bf16(s.x[place[r * k + j] * dim + i]);
         for (int64_t i = 0; i < dim; i++)
             out[r * dim + i] = to_bf16(from_bf16(h[r * dim + i]) + from_bf16(to_bf16(sum[i])));
     }
@@ -118,10 +117,10 @@ done:
     free(starts);
     free(fill);
     free(order);
+    free(place);
     free(s.x);
     free(s.gate_up);
     free(s.act);
-    free(s.y);
-    free(slot_out);
+    free(sum);
     return status;
 }

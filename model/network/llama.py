@@ -110,13 +110,12 @@ class Llama(nn.Module):
             )
             logger.info(
                 "mixture of experts: %d of %d layers run attention in the C decoder layer; "
-                "the experts of %d of %d layers run in one C call a layer, the other %d's in "
-                "PyTorch, each expert's products on its quantised layer's kernel",
+                "%d of the %d sparse layers run their experts in one C call, the rest in "
+                "PyTorch on their quantised layers' kernels",
                 native,
                 len(self.layers),
                 in_c,
                 sparse,
-                sparse - in_c,
             )
         return native
 
