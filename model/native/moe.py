@@ -17,7 +17,7 @@ import ctypes
 import torch
 
 from model.native.build import load_library
-from model.native.layer import NativeWeight, _Weight
+from model.native.layer import NativeWeight, WeightStruct
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -52,11 +52,11 @@ class NativeMoeExperts:
         self._call.restype = ctypes.c_int
         # The tensors are referenced here, so the pointers below stay valid.
         self._tensors = [t for weight, scales, _ in (*gate_up, *down) for t in (weight, scales)]
-        self._gate_up = (_Weight * len(gate_up))(
-            *(_Weight(w.data_ptr(), s.data_ptr(), kind) for w, s, kind in gate_up)
+        self._gate_up = (WeightStruct * len(gate_up))(
+            *(WeightStruct(w.data_ptr(), s.data_ptr(), kind) for w, s, kind in gate_up)
         )
-        self._down = (_Weight * len(down))(
-            *(_Weight(w.data_ptr(), s.data_ptr(), kind) for w, s, kind in down)
+        self._down = (WeightStruct * len(down))(
+            *(WeightStruct(w.data_ptr(), s.data_ptr(), kind) for w, s, kind in down)
         )
         self._struct = _MoeExperts(
             ctypes.addressof(self._gate_up),
