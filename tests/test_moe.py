@@ -228,11 +228,12 @@ def test_experts_in_a_family_without_them_are_refused_naming_those_supported() -
         ModelConfig.from_gguf_metadata(md, set())
 
 
-def test_the_c_layer_runs_attention_and_leaves_the_experts_to_pytorch(checkpoint) -> None:
+def test_the_c_layer_runs_attention_and_the_experts(checkpoint) -> None:
     """bf16 with grouped int8 layers on the C attention: Qwen3-MoE's and Mixtral's layers run
     attention in the C decoder layer (prefill, and the whole-layer call of a step of
-    decodes), stopping before the MLP, and give the PyTorch layer's logits and greedy
-    tokens exactly; OLMoE's whole-projection norms keep its layers in PyTorch."""
+    decodes) and their experts in one C call, and give the PyTorch layer's logits and
+    greedy tokens exactly, with the experts in C or in PyTorch; OLMoE's whole-projection
+    norms keep its layers in PyTorch."""
     family, _, _, gguf = checkpoint
     loaded = load_model(
         gguf, dtype="bfloat16", quantization="int8g", progress=False, attention_backend="cpu_paged"
@@ -240,13 +241,23 @@ def test_the_c_layer_runs_attention_and_leaves_the_experts_to_pytorch(checkpoint
     layers = loaded.model.layers
     natives = [layer.native for layer in layers]
     assert all(n is not None for n in natives) == (family != "olmoe")
+    sparse = [layer.moe for layer in layers if layer.moe is not None]
+    assert all(moe.native is not None for moe in sparse) == (family != "olmoe")
     stop = loaded.tokenizer.stop_ids
     ids = prompts()[-1]
-    with_c = model_logits(loaded.model, ids), list(greedy_tokens(loaded.model, ids, 12, stop))
+
+    def run() -> tuple[torch.Tensor, list[int]]:
+        return model_logits(loaded.model, ids), list(greedy_tokens(loaded.model, ids, 12, stop))
+
+    with_c = run()
+    for moe in sparse:
+        moe.native = None
+    experts_in_pytorch = run()
     for layer in layers:
         layer.native = None
-    without = model_logits(loaded.model, ids), list(greedy_tokens(loaded.model, ids, 12, stop))
-    assert torch.equal(with_c[0], without[0]) and with_c[1] == without[1]
+    without = run()
+    for other in (experts_in_pytorch, without):
+        assert torch.equal(with_c[0], other[0]) and with_c[1] == other[1]
 
 
 def test_a_cached_prefix_gives_the_output_computed_without_it(checkpoint) -> None:

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "layer_weight.h"
 
 /* Elementwise loops are shared among the OpenMP team only for enough rows (a prefill
  * chunk): waking it costs more than a decode step's few rows of work. */
@@ -44,15 +45,6 @@ int int5_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
 int int6_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const float *scales,
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 
-/* How a projection's weight is stored and multiplied. */
-enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2, INT5 = 3, INT6 = 4, INT5_A8 = 5 };
-
-typedef struct {
-    const uint8_t *weight; /* int4_matmul.c's, int5_, int6_ or int8_matmul.c's layout */
-    const void *scales;    /* int4: bf16 scale and zero pairs; int5, grouped int8: fp16; int6: fp32 */
-    int64_t kind;
-} layer_weight;
-
 /* y [rows, n_out] bf16. Grouped int8 sums in fp32, rounded to bf16 as the PyTorch layer
  * rounds Int8GroupLinear's output to the activations' dtype. */
 static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, uint16_t *y,
@@ -73,6 +65,11 @@ static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, ui
     for (int64_t i = 0; i < rows * n_out && !status; i++) y[i] = to_bf16(out[i]);
     free(out);
     return status;
+}
+
+int layer_matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, uint16_t *y,
+                 int64_t rows, int64_t n_out, int64_t k) {
+    return matmul(w, x, x_stride, y, rows, n_out, k);
 }
 
 /* Mirrored by a ctypes.Structure in model/native/layer.py: same fields, same order. The

@@ -41,7 +41,9 @@ INT4, INT4_A8, INT8_GROUPS, INT5, INT6, INT5_A8 = 0, 1, 2, 3, 4, 5
 NativeWeight = tuple[torch.Tensor, torch.Tensor, int]
 
 
-class _Weight(ctypes.Structure):
+class WeightStruct(ctypes.Structure):
+    """decoder_layer.c's `layer_weight` (layer_weight.h): same fields, same order."""
+
     _fields_ = [("weight", _PTR), ("scales", _PTR), ("kind", _I64)]
 
 
@@ -51,10 +53,10 @@ class _DecoderLayer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _PTR),
         ("post_attention_norm", _PTR),
-        ("qkv", _Weight),
-        ("o", _Weight),
-        ("gate_up", _Weight),
-        ("down", _Weight),
+        ("qkv", WeightStruct),
+        ("o", WeightStruct),
+        ("gate_up", WeightStruct),
+        ("down", WeightStruct),
         ("qkv_bias", _PTR),
         ("q_norm", _PTR),
         ("k_norm", _PTR),
@@ -92,10 +94,10 @@ class NativeDecoderLayer:
         self.n_heads, self.n_kv, self.head_dim = c.n_heads, c.n_kv_heads, c.head_dim
         # The tensors are referenced here, so the pointers below stay valid.
         self._tensors: list[torch.Tensor] = []
-        weights = [_Weight(None, None, 0)] * 4
+        weights = [WeightStruct(None, None, 0)] * 4
         for i, (weight, scales, kind) in enumerate(projections):
             self._tensors += [weight, scales]
-            weights[i] = _Weight(weight.data_ptr(), scales.data_ptr(), kind)
+            weights[i] = WeightStruct(weight.data_ptr(), scales.data_ptr(), kind)
         optional = [
             layer.qkv_bias,
             *(

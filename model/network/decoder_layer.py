@@ -120,6 +120,8 @@ class DecoderLayer(nn.Module):
             and None not in projections
         )
         self.native = NativeDecoderLayer(self, projections) if fits else None
+        if self.moe is not None:
+            self.moe.use_native(_native_weight if fits else lambda _: None)
         return fits
 
     def forward(
@@ -150,7 +152,7 @@ class DecoderLayer(nn.Module):
                 attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
                 out = self.native.attention_output(h, attn)
             if self.moe is not None:  # the C layer stopped after attention's residual
-                out = out + self.moe(self.post_attention_layernorm(out))
+                out = self.moe.residual(out, self.post_attention_layernorm)
             return out
         qkv = self.qkv_proj(self.input_layernorm(h))
         if self.qkv_bias is not None:

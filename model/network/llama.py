@@ -105,12 +105,16 @@ class Llama(nn.Module):
         native = sum(layer.use_native() for layer in self.layers)
         sparse = sum(layer.moe is not None for layer in self.layers)
         if sparse:
+            in_c = sum(
+                layer.moe is not None and layer.moe.native is not None for layer in self.layers
+            )
             logger.info(
                 "mixture of experts: %d of %d layers run attention in the C decoder layer; "
-                "the experts of %d layers run in PyTorch, each expert's products on its "
-                "quantised layer's kernel",
+                "%d of the %d sparse layers run their experts in one C call, the rest in "
+                "PyTorch on their quantised layers' kernels",
                 native,
                 len(self.layers),
+                in_c,
                 sparse,
             )
         return native

@@ -11,15 +11,21 @@ gate/up and down are ordinary linear layers, so the loader swaps them for quanti
 every expert's slice of FFN rows (model/parallel/plan.py): its output is a partial sum
 the decoder layer adds up across ranks, as after a dense MLP. A step captured in a CUDA
 graph cannot group (the counts live on the device): it runs every expert (`every_expert`).
+Where the C decoder layer runs a layer's attention and every expert's products have a C
+kernel, the experts after the router are one C call (model/native/moe.py, `residual`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
+from model.native.layer import NativeWeight
+from model.native.moe import NativeMoeExperts
 
 
 class Expert(nn.Module):
@@ -53,6 +59,38 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             Expert(config.dim, config.expert_ffn_dim) for _ in range(config.n_experts)
         )
+        # The experts in one C call, set by `use_native` where every product has a C kernel.
+        self.native: NativeMoeExperts | None = None
+
+    def use_native(self, native_weight: Callable[[nn.Module], NativeWeight | None]) -> bool:
+        """Runs the experts in one C call where `native_weight` gives every expert's gate/up
+        and down as the C layer reads them; else (or with None) in PyTorch."""
+        gate_up = [native_weight(e.gate_up_proj) for e in self.experts]
+        down = [native_weight(e.down_proj) for e in self.experts]
+        self.native = None
+        if None in gate_up or None in down:
+            return False
+        ffn = self.experts[0].down_proj.in_features
+        dim = self.experts[0].down_proj.out_features
+        self.native = NativeMoeExperts(gate_up, down, self.top_k, dim, ffn)  # type: ignore[arg-type]
+        return True
+
+    def residual(
+        self, h: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """h plus the experts' output for norm(h): the router here, the experts in one C call
+        where `use_native` set one and the rows fit it (contiguous bf16 on the CPU)."""
+        x = norm(h)
+        if (
+            self.native is not None
+            and x.dtype == h.dtype == torch.bfloat16
+            and x.device.type == "cpu"
+            and x.is_contiguous()
+            and h.is_contiguous()
+        ):
+            weights, ids = self.route(x)
+            return self.native.add(x, ids, weights, h)
+        return h + self(x)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]), as transformers routes: the

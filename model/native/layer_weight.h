@@ -1,0 +1,22 @@
+/* A projection as the C decoder layer (decoder_layer.c) and the mixture-of-experts FFN
+ * (moe_experts.c) read it: its weight bytes, scales and kind. */
+#ifndef LLAMASERVE_LAYER_WEIGHT_H
+#define LLAMASERVE_LAYER_WEIGHT_H
+
+#include <stdint.h>
+
+/* How a projection's weight is stored and multiplied. */
+enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2, INT5 = 3, INT6 = 4, INT5_A8 = 5 };
+
+typedef struct {
+    const uint8_t *weight; /* int4_matmul.c's, int5_, int6_ or int8_matmul.c's layout */
+    const void *scales;    /* int4: bf16 scale and zero pairs; int5, grouped int8: fp16; int6: fp32 */
+    int64_t kind;
+} layer_weight;
+
+/* y [rows, n_out] bf16 = x [rows, k] (row stride x_stride) times the weight; 0, or 2 when
+ * out of memory. */
+int layer_matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, uint16_t *y,
+                 int64_t rows, int64_t n_out, int64_t k);
+
+#endif

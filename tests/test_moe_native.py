@@ -1,0 +1,61 @@
+"""A mixture of experts' experts in one C call (model/native/moe_experts.c) against the PyTorch
+path (model/network/moe.py) on the same quantised experts, each C weight kind in turn: the
+same kernels and rounding points, so the residual plus the experts' output is bit for bit
+the same, for one row (a decode) and for batches where experts share rows; and at every
+instruction level the machine executes."""
+
+import os
+import shutil
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from model.native.build import ISA_ENV
+from model.network.decoder_layer import _native_weight
+from model.network.moe import SparseMoE
+from model.quant.factory import quantized_linear
+from tests.native_builds import ISAS, library_at
+
+if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
+    pytest.skip("no C compiler to build the kernels", allow_module_level=True)
+
+DIM, FFN, EXPERTS, TOP_K = 256, 256, 8, 3
+# (gate/up format, its int4 kernel, down format): every kind the C layer reads.
+FORMATS = [
+    ("int4", "native", "int8g"),
+    ("w4a8", "native_a8", "int6"),
+    ("int5", None, "w5a8"),
+    ("int8g", None, "int4"),
+]
+
+
+def quantised_moe(gate_up: str, kernel: str | None, down: str) -> SparseMoE:
+    torch.manual_seed(0)
+    config = SimpleNamespace(
+        n_experts=EXPERTS, n_experts_used=TOP_K, norm_topk_prob=True, dim=DIM, expert_ffn_dim=FFN
+    )
+    moe = SparseMoE(config)
+    moe.router.weight.data = torch.randn(EXPERTS, DIM).to(torch.bfloat16)
+    for expert in moe.experts:
+        expert.gate_up_proj = quantized_linear(gate_up, DIM, 2 * FFN, "cpu", kernel)
+        expert.gate_up_proj.load_rows(0, torch.randn(2 * FFN, DIM) * 0.05)
+        expert.down_proj = quantized_linear(down, FFN, DIM, "cpu", "native")
+        expert.down_proj.load_rows(0, torch.randn(DIM, FFN) * 0.05)
+    return moe
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("formats", FORMATS, ids=["-".join(map(str, f)) for f in FORMATS])
+def test_c_experts_equal_the_pytorch_path(formats, isa, monkeypatch) -> None:
+    library_at(isa)
+    monkeypatch.setenv(ISA_ENV, isa)
+    moe = quantised_moe(*formats)
+    assert moe.use_native(_native_weight)
+    generator = torch.Generator().manual_seed(1)
+    with torch.inference_mode():
+        for rows in (1, 2, 13):
+            h = torch.randn(rows, DIM, generator=generator).to(torch.bfloat16)
+            x = torch.randn(rows, DIM, generator=generator).to(torch.bfloat16)
+            got = moe.residual(h, lambda _, x=x: x)
+            assert torch.equal(got, h + moe(x)), (formats, rows)
