@@ -21,7 +21,10 @@ from model.network.batch import Batch
 
 
 def attach_lora(model: nn.Module, slots: LoraSlots) -> None:
-    """Makes `model` (a `Llama`) apply `slots` to every step from now on."""
+    """Makes `model` (a `Llama`) apply `slots` to every step from now on, in place of
+    any table attached before (a model serves one engine at a time)."""
+    for handle in getattr(model, "lora_hooks", []):
+        handle.remove()
 
     def begin(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         batch: Batch = args[0] if args else kwargs["batch"]
@@ -30,12 +33,15 @@ def attach_lora(model: nn.Module, slots: LoraSlots) -> None:
     def end(_module: nn.Module, _args: tuple[Any, ...], _out: torch.Tensor) -> None:
         slots.groups = []  # a later forward that skips `begin` must not reuse them
 
-    model.register_forward_pre_hook(begin, with_kwargs=True)
-    model.register_forward_hook(end)
+    handles = [
+        model.register_forward_pre_hook(begin, with_kwargs=True),
+        model.register_forward_hook(end),
+    ]
     for index, layer in enumerate(model.layers):
         for fused in FUSED:
-            getattr(layer, fused).register_forward_hook(_update(slots, index, fused))
-    model.lora = slots
+            hook = _update(slots, index, fused)
+            handles.append(getattr(layer, fused).register_forward_hook(hook))
+    model.lora_hooks = handles
 
 
 def _update(slots: LoraSlots, layer: int, fused: str):  # noqa: ANN202 (a hook's signature)

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from model.text.tokenizer import Tokenizer
 from scheduler.engine.output_text import OutputText
+from scheduler.lora_request import LoraRequest
 from scheduler.request import Request, RequestOutput, TokenLogprob
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -58,9 +59,16 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queues a request; n > 1 becomes n sequences reported under the same id with
-        indices 0..n-1. Raises InvalidParams or QueueFull, having queued nothing."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        lora: LoraRequest | None = None,
+    ) -> None:
+        """Queues a request, with the LoRA adapter `lora` if given; n > 1 becomes n
+        sequences reported under the same id with indices 0..n-1. Raises InvalidParams or
+        QueueFull, having queued nothing."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         stop_ids = frozenset(params.stop_token_ids)
@@ -77,6 +85,7 @@ class Engine:
                 params,
                 stop_token_ids=stop_ids,
                 seed=seed,
+                lora=lora,
             )
             text = OutputText(
                 self.tokenizer, request.prompt_ids, params.stop, params.skip_special_tokens
