@@ -11,6 +11,7 @@ from scheduler.config import EngineConfig
 from scheduler.engine.factory import create_engine
 from scheduler.lora_request import LoraRequest
 from scheduler.sampling_params import SamplingParams
+from scheduler.spec.speculation import SpeculativeConfig
 from tests.engine_driver import run_engine
 from tests.lora_adapters import make_adapter
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
@@ -79,6 +80,10 @@ SCENARIOS = {
     "no_prefix_cache": dict(enable_prefix_caching=False),
     "chunked_prefill": dict(max_num_batched_tokens=7),
     "preemption": dict(kv_cache_memory=5 * BYTES_PER_BLOCK),
+    # Guesses verified under each row's adapter.
+    "ngram_speculation": dict(
+        speculative=SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 3}')
+    ),
 }
 
 

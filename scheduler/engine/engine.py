@@ -232,6 +232,8 @@ class Engine:
         stats.kv_blocks_total = kv.num_blocks
         stats.prefix_cache_queries = kv.prefix_cache_queries
         stats.prefix_cache_hits = kv.prefix_cache_hits
+        adapters = getattr(self.runner, "adapters", None)
+        stats.num_loras_resident = len(adapters.resident_names) if adapters is not None else 0
         return stats
 
 
@@ -243,4 +245,5 @@ def _finished_stats(req: Request, reason: str) -> FinishedStats:
         queue_s=(req.first_scheduled_time or now) - req.arrival_time,
         num_prompt_tokens=len(req.prompt_ids),
         num_output_tokens=len(req.output_ids),
+        lora_name=req.lora.name if req.lora is not None else None,
     )

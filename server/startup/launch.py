@@ -114,6 +114,8 @@ def build_server(
     """With -tp N, this process becomes rank 0: it starts its machine's other ranks first
     (server/startup/tensor_parallel.py), and its model broadcasts every step to them."""
     kind = embedding_kind(config)
+    if kind is not None and config.engine.max_loras:
+        raise UnsupportedModelError("LoRA adapters serve text generation only; this model embeds")
     if kind is not None:
         decoder = (loaded or load(config)) if kind == "decoder" else None
         embedder = build_embedding_server(config, decoder)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 from scheduler import EngineConfig
 
@@ -69,4 +70,7 @@ def lora_refusal(args: argparse.Namespace) -> str | None:
         return "LoRA adapters serve text generation only, not --task embed"
     if args.tensor_parallel_size != 1:
         return "LoRA adapters are not served with tensor parallelism (-tp) yet"
+    for name, path in args.lora_modules:  # before loading the model for nothing
+        if not os.path.exists(path):
+            return f"--lora-modules {name}={path}: no such file or directory"
     return None
