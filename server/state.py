@@ -59,6 +59,11 @@ class ServerState:
             or self.lora_for(model) is not None
         )
 
+    def answering_name(self, model: str | None) -> str:
+        """The `model` a response reports: the adapter's name, as vLLM's, else the base's."""
+        lora = self.lora_for(model)
+        return lora.name if lora is not None else self.model_name
+
     def lora_for(self, model: str | None) -> LoraRequest | None:
         """The adapter a request's `model` names; None: the base model."""
         return self.adapters.get(model) if self.adapters is not None else None

@@ -63,6 +63,7 @@ def text(client: openai.OpenAI, model: str) -> str:
         temperature=0,
         extra_body={"ignore_eos": True},
     )
+    assert r.model == model
     return r.choices[0].text
 
 

@@ -55,7 +55,7 @@ async def create_chat_completion(
     header = {
         "id": f"chatcmpl-{rid}",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": state.answering_name(req.model),
         "system_fingerprint": state.fingerprint,
     }
     if req.stream:

@@ -92,7 +92,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
         "id": f"cmpl-{rid}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": state.answering_name(req.model),
         "system_fingerprint": state.fingerprint,
     }
     echo = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompts]

@@ -62,7 +62,7 @@ def _shell(req: ResponsesRequest, response_id: str, state: ServerState, inputs: 
         "incomplete_details": None,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
-        "model": state.model_name,
+        "model": state.answering_name(req.model),
         "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": None,
