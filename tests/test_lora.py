@@ -137,6 +137,12 @@ def test_an_adapter_the_base_cannot_serve_is_refused(tmp_path, case, config, ten
         read_adapter("bad", tmp_path / "bad", ours.config)
 
 
+def test_an_adapter_past_the_largest_rank_is_refused(case):
+    _, ours, adapter_dir, _ = case
+    with pytest.raises(AdapterError, match="past --max-lora-rank 4"):
+        read_adapter("big", adapter_dir, ours.config, max_rank=4)
+
+
 def test_a_gguf_lora_for_another_family_is_refused(case, tmp_path):
     peft_model, ours, _, _ = case
     other = "qwen2" if ours.config.architecture == "llama" else "llama"

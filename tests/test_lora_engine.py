@@ -128,3 +128,12 @@ def test_more_adapters_than_slots_evict_and_reload_without_failing(served, mix):
     assert [results[(f"r{i}", 0)].token_ids for i in range(len(ps))] == alone_of
     assert all(results[(f"r{i}", 0)].finish_reason == "length" for i in range(len(ps)))
     assert e.runner.adapters.num_loads >= 4  # evicted and read again from disk
+
+
+def test_n_siblings_share_their_adapters_prompt(served, mix):
+    loaded, loras = served
+    ps, assignment, alone, _ = mix
+    e = engine(loaded)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2)
+    results, _ = run_engine(e, {"r": (ps[1], params)}, loras={"r": assignment[1]})
+    assert results[("r", 0)].token_ids == results[("r", 1)].token_ids == alone[1]
