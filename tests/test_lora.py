@@ -172,3 +172,30 @@ def test_a_quantised_base_on_the_c_decoder_layer_keeps_the_update(tmp_path):
         want = peft_logits(peft_model, ids, True) - peft_logits(peft_model, ids, False)
         cosine = torch.nn.functional.cosine_similarity(ours_effect, want.flatten(), dim=0)
         assert cosine > 0.9, cosine
+
+
+def test_the_triton_update_matches_the_grouped_products(case):
+    """The CUDA kernels (under Triton's interpreter without a GPU) against the PyTorch
+    grouping, on a mixed batch, through the same slots."""
+    pytest.importorskip("triton")
+    from model.lora.triton_update import lora_update
+
+    _, ours, adapter_dir, gguf_path = case
+    reference = LoraSlots(ours.config, max_loras=2, max_rank=16, device="cpu")
+    kernel = LoraSlots(ours.config, max_loras=2, max_rank=16, device="cpu", kernel=lora_update)
+    for slots in (reference, kernel):
+        slots.load(0, read_adapter("a", adapter_dir, ours.config))
+        slots.load(1, read_adapter("b", gguf_path or adapter_dir, ours.config))
+        slots.begin([1, -1, 0], [3, 2, 4], torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    for fused in ("qkv_proj", "down_proj"):
+        n_in = reference.a[0, fused].shape[2]
+        n_out = reference.b[0, fused].shape[1]
+        x = torch.randn(9, n_in, generator=g)
+        base = torch.randn(9, n_out, generator=g)
+        want, got = base.clone(), base.clone()
+        reference.apply(0, fused, x, want)
+        kernel.apply(0, fused, x, got)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[3:5], base[3:5])  # the base rows are untouched
+        assert not torch.allclose(got[:3], base[:3])

@@ -13,16 +13,31 @@ choice (scheduler/runner/adapters.py); this table only holds tensors.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from model.config import ModelConfig
 from model.lora.adapter import FUSED, LoraAdapter, target_shapes
 
+# out[t] += x[t] @ A[s].T @ B[s].T for each row t of slot s >= 0 (model/lora/triton_update.py).
+UpdateKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None
+]
+
 
 class LoraSlots:
     def __init__(
-        self, config: ModelConfig, max_loras: int, max_rank: int, device: torch.device | str
+        self,
+        config: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        device: torch.device | str,
+        kernel: UpdateKernel | None = None,
     ) -> None:
+        """`kernel`: the update of every row by its own slot in one call (the Triton
+        kernels on CUDA, model/lora/triton_update.py); None: grouped PyTorch products."""
+        self.kernel = kernel
         self.max_loras = max_loras
         self.max_rank = max_rank
         shapes = target_shapes(config)
@@ -43,6 +58,7 @@ class LoraSlots:
         }
         # This step's groups: (slot, the token rows that use it; None: every row).
         self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self.row_slots: torch.Tensor | None = None  # each row's slot, for `kernel`
 
     @property
     def nbytes(self) -> int:
@@ -73,8 +89,13 @@ class LoraSlots:
     ) -> None:
         """Groups this step's token rows by slot (-1: the base model alone)."""
         self.groups = []
+        self.row_slots = None
         if seq_slots is None:
             return
+        if self.kernel is not None:
+            lengths = torch.tensor(query_lens)
+            slots = torch.repeat_interleave(torch.tensor(seq_slots), lengths)
+            self.row_slots = slots.to(device=device, dtype=torch.int32)
         rows: dict[int, list[int]] = {}
         start = 0
         for slot, length in zip(seq_slots, query_lens, strict=True):
@@ -89,6 +110,9 @@ class LoraSlots:
     def apply(self, layer: int, fused: str, x: torch.Tensor, out: torch.Tensor) -> None:
         """Adds each group's low-rank update to its rows of `out`, the base projection of `x`."""
         a_stack, b_stack = self.a[layer, fused], self.b[layer, fused]
+        if self.kernel is not None and self.row_slots is not None:
+            self.kernel(x, self.row_slots, a_stack, b_stack, out)
+            return
         for slot, index in self.groups:
             xs = x if index is None else x.index_select(0, index)
             delta = (xs.float() @ a_stack[slot].T) @ b_stack[slot].T

@@ -28,7 +28,10 @@ class ResidentAdapters:
     def __init__(self, model: Llama, max_loras: int, max_rank: int) -> None:
         self.config = model.config
         self.max_rank = max_rank
-        self.slots = LoraSlots(model.config, max_loras, max_rank, model.device)
+        kernel = None
+        if model.device.type == "cuda":  # one launch pair per projection, no host sync
+            from model.lora.triton_update import lora_update as kernel
+        self.slots = LoraSlots(model.config, max_loras, max_rank, model.device, kernel)
         attach_lora(model, self.slots)
         self._resident: OrderedDict[int, int] = OrderedDict()  # lora id -> slot, LRU first
         self._names: dict[int, str] = {}  # lora id -> name, of the resident ones
