@@ -9,6 +9,7 @@ import httpx
 import openai
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaForCausalLM
 
 from model.loader import load_model
@@ -83,6 +84,15 @@ def test_a_request_runs_with_the_adapter_its_model_names(setup):
     for name, want in (("a0", expected[0]), ("a1", expected[1])):
         assert text(client, name) == loaded.tokenizer.decode(want)
     assert text(client, "base") not in {loaded.tokenizer.decode(e) for e in expected}
+    metrics = httpx.get(f"{live.base_url}/metrics").text
+    samples = {
+        (s.name, s.labels.get("lora_name")): s.value
+        for family in text_string_to_metric_families(metrics)
+        for s in family.samples
+    }
+    assert samples[("llamaserve:lora_requests_total", "a0")] >= 1
+    assert samples[("llamaserve:lora_generation_tokens_total", "a1")] >= NEW_TOKENS
+    assert samples[("llamaserve:lora_adapters_resident", None)] == 1  # --max-loras 1
 
 
 def test_load_and_unload_are_guarded_and_answer_in_openai_shape(setup):
