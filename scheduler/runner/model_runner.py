@@ -169,6 +169,8 @@ class ModelRunner:
         try:
             if self.adapters is not None:
                 scheduled = self.adapters.admit(plan, result)
+                if not scheduled:
+                    return result
             if self.drafter is not None:
                 scheduled = self.drafter.fill(scheduled, self.sample_vocab_size, result)
             inputs = build_step_inputs(
