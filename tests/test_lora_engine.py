@@ -137,3 +137,17 @@ def test_n_siblings_share_their_adapters_prompt(served, mix):
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, n=2)
     results, _ = run_engine(e, {"r": (ps[1], params)}, loras={"r": assignment[1]})
     assert results[("r", 0)].token_ids == results[("r", 1)].token_ids == alone[1]
+
+
+def test_an_adapter_gone_from_disk_fails_its_request_alone(served, mix, tmp_path):
+    loaded, _ = served
+    ps, _, _, base = mix
+    gone = LoraRequest("gone", 99, str(tmp_path / "deleted"))
+    e = engine(loaded)
+    results, _ = run_engine(
+        e, {"lost": (ps[0], greedy()), "kept": (ps[0], greedy())}, loras={"lost": gone}
+    )
+    assert results[("lost", 0)].finish_reason == "error"
+    assert "neither a directory nor a file" in results[("lost", 0)].outputs[-1].error
+    assert results[("kept", 0)].token_ids == base
+    assert e.scheduler.kv.num_used_blocks == 0
