@@ -24,6 +24,7 @@ from scheduler.config import EngineConfig, EngineConfigError, QueueFull, Schedul
 from scheduler.engine.async_engine import AsyncEngine, EngineDead, RequestStream
 from scheduler.engine.engine import Engine
 from scheduler.engine.pooling_engine import PoolingEngine, PoolingParams
+from scheduler.lora_request import LoraRequest
 from scheduler.request import RequestOutput, TokenLogprob
 from scheduler.sampling_params import (
     ROW_FIELDS,
@@ -51,6 +52,7 @@ __all__ = [
     "FinishedStats",
     "Grammar",
     "InvalidParams",
+    "LoraRequest",
     "PoolingEngine",
     "PoolingParams",
     "QueueFull",

@@ -32,6 +32,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: no decode-step graphs
     speculative: SpeculativeConfig | None = None  # --speculative-config
+    # LoRA adapters (--enable-lora): how many are resident at once and their largest rank.
+    # max_loras 0: no adapters.
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
 
 class QueueFull(RuntimeError):
@@ -47,3 +51,4 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_waiting: int
     speculative: SpeculativeConfig | None = None  # n-gram speculation, when configured
+    max_loras: int = 0  # adapters among the running requests at once

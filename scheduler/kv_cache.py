@@ -47,6 +47,9 @@ class _RequestBlocks:
     # Chain hash of each leading full block. Kept per request because a block whose hash was
     # already cached elsewhere is not registered, yet later blocks still chain from its hash.
     block_hashes: list[bytes] = field(default_factory=list)
+    # What the first block's hash chains from: empty for the base model, an adapter's salt
+    # for a LoRA request (scheduler/lora_request.py), so their cached prefixes never meet.
+    root: bytes = b""
 
 
 class KVCacheManager:
@@ -88,7 +91,9 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.num_used_blocks / self.num_blocks
 
-    def get_computed_blocks(self, request_id: str, token_ids: Sequence[int]) -> int:
+    def get_computed_blocks(
+        self, request_id: str, token_ids: Sequence[int], cache_salt: bytes = b""
+    ) -> int:
         """Attach the longest cached chain of full blocks of the prompt; tokens covered.
 
         Hit blocks leave the evictable pool, so num_free_blocks may drop: a caller that then
@@ -100,8 +105,8 @@ class KVCacheManager:
         if held is not None and held.block_ids:
             raise ValueError(f"request {request_id!r} already holds blocks")
         block_size = self.block_size
-        request = _RequestBlocks()
-        parent_hash = b""
+        request = _RequestBlocks(root=cache_salt)
+        parent_hash = cache_salt
         # (n - 1) // block_size: the last prompt token must always be computed, because its
         # logits give the first output token.
         for index in range((len(token_ids) - 1) // block_size):
@@ -129,6 +134,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         num_new_tokens: int,
+        cache_salt: bytes = b"",
     ) -> bool:
         """Grow the block table to cover the tokens; False, changing nothing, if out of blocks."""
         request = self._requests.get(request_id)
@@ -138,7 +144,7 @@ class KVCacheManager:
         if num_needed > self.num_free_blocks:
             return False
         if request is None:
-            request = self._requests[request_id] = _RequestBlocks()
+            request = self._requests[request_id] = _RequestBlocks(root=cache_salt)
         for _ in range(num_needed):
             request.block_ids.append(self._take_block())
         if self.enable_prefix_caching:
@@ -163,7 +169,9 @@ class KVCacheManager:
         shared = parent.block_ids[:num_shared]
         for block_id in shared:
             self._blocks[block_id].ref_count += 1
-        self._requests[child_id] = _RequestBlocks(shared, parent.block_hashes[:num_shared])
+        self._requests[child_id] = _RequestBlocks(
+            shared, parent.block_hashes[:num_shared], parent.root
+        )
         return num_shared * self.block_size
 
     def trim(self, request_id: str, num_tokens: int) -> None:
@@ -269,7 +277,7 @@ class KVCacheManager:
     ) -> None:
         block_size = self.block_size
         block_hashes = request.block_hashes
-        parent_hash = block_hashes[-1] if block_hashes else b""
+        parent_hash = block_hashes[-1] if block_hashes else request.root
         for index in range(len(block_hashes), num_full_blocks):
             tokens = tuple(token_ids[index * block_size : (index + 1) * block_size])
             block_hash = _chain_hash(parent_hash, tokens)

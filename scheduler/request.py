@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from scheduler.lora_request import LoraRequest
 from scheduler.sampling_params import SamplingParams
 from scheduler.spec.length import Acceptance
 
@@ -39,6 +40,7 @@ class Request:
     # unless ignore_eos, the tokenizer's end-of-turn ids. Resolved once by the engine.
     stop_token_ids: frozenset[int] = frozenset()
     seed: int | None = None  # this sequence's own seed; n > 1 siblings get seed + index
+    lora: LoraRequest | None = None  # the adapter it runs with; None: the base model
     arrival_time: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
@@ -70,6 +72,10 @@ class Request:
     def truncate_output(self, num_tokens: int) -> None:
         del self.output_ids[num_tokens:]
         del self.all_token_ids[len(self.prompt_ids) + num_tokens :]
+
+    @property
+    def cache_salt(self) -> bytes:
+        return self.lora.cache_salt if self.lora is not None else b""
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ from collections import deque
 
 from scheduler.config import QueueFull, SchedulerConfig
 from scheduler.kv_cache import KVCacheManager
+from scheduler.lora_request import admits_adapter
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import resolve_max_tokens
 from scheduler.spec.speculation import Speculator
@@ -153,6 +154,7 @@ class Scheduler:
             drafts = spec.drafts(req, budget - 1) if roomy and num_new == 1 else []
             if drafts and drafts[0] != DRAFT_SLOT and req.request_id in self.structured:
                 drafts = self.structured.allowed_guesses(req.request_id, drafts)
+            # A running request's blocks already chain from its adapter's salt.
             while not self.kv.allocate_slots(
                 req.request_id, req.all_token_ids, req.num_computed_tokens, num_new + len(drafts)
             ):
@@ -174,21 +176,15 @@ class Scheduler:
             and self.waiting
             and budget > 0
             and len(self.running) < self.config.max_num_seqs
+            and admits_adapter(self.waiting[0].lora, self.running, self.config.max_loras)
         ):
             req = self.waiting[0]
             holds_blocks = bool(self.kv.block_table(req.request_id))
             if not holds_blocks:
-                # Prompt logprobs need the logits of every prompt position: no cached prefix.
-                req.num_computed_tokens = (
-                    0
-                    if req.owes_prompt_logprobs
-                    else self.kv.get_computed_blocks(req.request_id, req.all_token_ids)
-                )
-                if req.first_scheduled_time is None:
-                    req.num_cached_tokens = req.num_computed_tokens
+                self._attach_cached_prefix(req)
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self.kv.allocate_slots(
-                req.request_id, req.all_token_ids, req.num_computed_tokens, num_new
+                req.request_id, req.all_token_ids, req.num_computed_tokens, num_new, req.cache_salt
             ):
                 if not holds_blocks:
                     self.kv.free(req.request_id)
@@ -211,7 +207,18 @@ class Scheduler:
         return SchedulerOutput(
             scheduled=scheduled,
             preempted_ids=[req.request_id for req in preempted],
+            running_lora_ids=frozenset(r.lora.lora_id for r in self.running if r.lora),
         )
+
+    def _attach_cached_prefix(self, req: Request) -> None:
+        # Prompt logprobs need the logits of every prompt position: no cached prefix.
+        req.num_computed_tokens = (
+            0
+            if req.owes_prompt_logprobs
+            else self.kv.get_computed_blocks(req.request_id, req.all_token_ids, req.cache_salt)
+        )
+        if req.first_scheduled_time is None:
+            req.num_cached_tokens = req.num_computed_tokens
 
     def update_from_output(
         self, out: SchedulerOutput, result: ModelRunnerOutput

@@ -15,6 +15,7 @@ class FinishedStats:
     queue_s: float
     num_prompt_tokens: int
     num_output_tokens: int
+    lora_name: str | None = None  # the LoRA adapter it ran with
 
 
 @dataclass
@@ -35,4 +36,5 @@ class StepStats:
     kv_blocks_total: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_loras_resident: int = 0  # LoRA adapters in memory
     spec: SpecCounts | None = None  # what verifying speculated tokens accepted this step

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from scheduler.lora_request import LoraRequest
 from scheduler.request import Request, TokenLogprob
 from scheduler.sampling_params import SamplingParams
 
@@ -60,12 +61,16 @@ class ScheduledRequest:
     # Speculated tokens, the tail of new_token_ids (scheduler/spec/speculation.py): the runner
     # takes the target's choice after each and reports how many it would have chosen.
     draft_token_ids: list[int] = field(default_factory=list)
+    lora: LoraRequest | None = None  # the adapter it runs with; None: the base model
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    # Adapters some running request uses, scheduled this step or not: the runner never
+    # evicts these from memory.
+    running_lora_ids: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -135,4 +140,5 @@ def scheduled_request(
         output_ids=req.output_ids,
         suppress_token_ids=(req.stop_token_ids if sample and not req.may_stop else frozenset()),
         prompt_logprobs_from=len(req.prompt_logprobs) if owes else None,
+        lora=req.lora,
     )

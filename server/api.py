@@ -13,7 +13,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from server.edge.errors import install_error_handlers
 from server.edge.metrics import ServerMetrics
 from server.edge.middleware import BodyLimit, RequestContext
-from server.routes import messages, monitoring, openai_api, routing, tokens
+from server.routes import adapters, messages, monitoring, openai_api, routing, tokens
 from server.routes.guards import authorized
 from server.state import ServerState
 
@@ -37,6 +37,7 @@ def build_app(
 
     guarded = [Depends(authorized)]
     app.include_router(openai_api.router, dependencies=guarded)
+    app.include_router(adapters.router, dependencies=guarded)
     app.include_router(monitoring.health_router)
     app.include_router(tokens.router, dependencies=guarded)
     # Open by default, as Prometheus scrapes without credentials; guarded on request.

@@ -11,7 +11,8 @@ from fastapi import Request
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
 from model.text.wordpiece import WordPieceTokenizer
-from scheduler import AsyncEngine
+from scheduler import AsyncEngine, LoraRequest
+from server.adapters.registry import AdapterRegistry
 from server.reasoning.formats import ReasoningFormat
 from server.structured.grammar import GrammarCompiler
 
@@ -40,6 +41,7 @@ class ServerState:
     extra_model_names: list[str] = field(default_factory=list)
     embedding: EmbeddingSpec | None = None  # set: the model embeds and generates nothing
     reasoning: ReasoningFormat | None = None  # --reasoning-parser: how think blocks look
+    adapters: AdapterRegistry | None = None  # --enable-lora: the adapters' names
     grammars: GrammarCompiler = field(init=False)
 
     def __post_init__(self) -> None:
@@ -50,7 +52,21 @@ class ServerState:
         return "generate" if self.embedding is None else "embed"
 
     def serves(self, model: str | None) -> bool:
-        return model is None or model == self.model_name or model in self.extra_model_names
+        return (
+            model is None
+            or model == self.model_name
+            or model in self.extra_model_names
+            or self.lora_for(model) is not None
+        )
+
+    def answering_name(self, model: str | None) -> str:
+        """The `model` a response reports: the adapter's name, as vLLM's, else the base's."""
+        lora = self.lora_for(model)
+        return lora.name if lora is not None else self.model_name
+
+    def lora_for(self, model: str | None) -> LoraRequest | None:
+        """The adapter a request's `model` names; None: the base model."""
+        return self.adapters.get(model) if self.adapters is not None else None
 
 
 def served_state(request: Request) -> ServerState:

@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from scheduler.engine.engine import Engine
+from scheduler.lora_request import LoraRequest
 from scheduler.request import RequestOutput
 from scheduler.sampling_params import SamplingParams
 
@@ -19,10 +20,13 @@ def run_engine(
     engine: Engine,
     requests: dict[str, tuple[list[int], SamplingParams]],
     max_steps: int = 10_000,
+    loras: dict[str, LoraRequest] | None = None,
 ) -> tuple[dict[tuple[str, int], Collected], int]:
-    """Returns results keyed by (request id, sequence index), and the preemption count."""
+    """Returns results keyed by (request id, sequence index), and the preemption count.
+    `loras`: the adapter of each request that has one."""
     for rid, (ids, params) in requests.items():
-        engine.add_request(rid, ids, params)
+        lora = (loras or {}).get(rid)
+        engine.add_request(rid, ids, params, *([lora] if lora else []))
     results: dict[tuple[str, int], Collected] = {}
     preemptions = 0
     for _ in range(max_steps):

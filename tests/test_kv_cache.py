@@ -434,3 +434,18 @@ KVCacheMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestKVCacheMachine = KVCacheMachine.TestCase
+
+
+def test_a_cache_salt_keeps_prefixes_apart() -> None:
+    """Blocks cached under one salt (a LoRA adapter's) are found under that salt only:
+    two adapters never share a prefix's KV, a request for the same one does."""
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    tokens = list(range(13))
+    assert kv.allocate_slots("a", tokens, 0, len(tokens), b"adapter-1")
+    kv.free("a")
+    assert kv.get_computed_blocks("base", tokens) == 0
+    assert kv.get_computed_blocks("other", tokens, b"adapter-2") == 0
+    assert kv.get_computed_blocks("same", tokens, b"adapter-1") == 12
+    assert kv.fork("same", "sibling", len(tokens)) == 12
+    assert kv.allocate_slots("sibling", tokens, 12, 1)
+    kv.check_invariants()

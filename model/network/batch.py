@@ -27,6 +27,9 @@ class Batch:
     query_lens: list[int]
     seq_lens: list[int]
     block_size: int
+    # Per sequence, the slot of the LoRA adapter it runs with (-1: the base alone); None
+    # when no sequence of the step has one (model/lora/).
+    lora_slots: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:

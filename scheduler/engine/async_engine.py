@@ -19,6 +19,7 @@ from collections.abc import AsyncIterator, Callable
 
 from scheduler.engine.engine import Engine
 from scheduler.engine.pooling_engine import PoolingEngine, PoolingParams
+from scheduler.lora_request import LoraRequest
 from scheduler.request import RequestOutput
 from scheduler.runner.openmp import release_openmp_workers
 from scheduler.sampling_params import SamplingParams
@@ -60,7 +61,7 @@ class AsyncEngine:
         self.on_step = on_step
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._inbox: list[tuple[str, list[int], Params, asyncio.Future]] = []
+        self._inbox: list[tuple[str, list[int], Params, LoraRequest | None, asyncio.Future]] = []
         self._aborts: list[str] = []
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._stopping = False
@@ -102,7 +103,11 @@ class AsyncEngine:
         return len(self._queues)
 
     async def add_request(
-        self, request_id: str, prompt_ids: list[int], params: Params
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: Params,
+        lora: LoraRequest | None = None,
     ) -> RequestStream:
         """Queues a request and waits until the engine admitted it; raises the engine's
         refusal (InvalidParams, QueueFull) so a server can answer before streaming."""
@@ -113,7 +118,7 @@ class AsyncEngine:
         admitted: asyncio.Future[None] = loop.create_future()
         with self._lock:
             self._queues[request_id] = (loop, queue)
-            self._inbox.append((request_id, prompt_ids, params, admitted))
+            self._inbox.append((request_id, prompt_ids, params, lora, admitted))
         self._wake.set()
         try:
             await admitted
@@ -138,10 +143,13 @@ class AsyncEngine:
             aborts, self._aborts = self._aborts, []
         for request_id in aborts:
             self.engine.abort(request_id)
-        for request_id, prompt_ids, params, admitted in inbox:
+        for request_id, prompt_ids, params, lora, admitted in inbox:
             loop = admitted.get_loop()
             try:
-                self.engine.add_request(request_id, prompt_ids, params)
+                if lora is None:  # a pooling engine takes no adapter
+                    self.engine.add_request(request_id, prompt_ids, params)
+                else:
+                    self.engine.add_request(request_id, prompt_ids, params, lora)
             except Exception as exc:  # admission errors go back to the caller
                 loop.call_soon_threadsafe(_resolve, admitted, exc)
             else:

@@ -18,6 +18,7 @@ from typing import Protocol
 
 from model.text.tokenizer import Tokenizer
 from scheduler.engine.output_text import OutputText
+from scheduler.lora_request import LoraRequest
 from scheduler.request import Request, RequestOutput, TokenLogprob
 from scheduler.sampling_params import SamplingParams
 from scheduler.scheduler import Scheduler
@@ -58,9 +59,16 @@ class Engine:
 
     # ---- admission -------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queues a request; n > 1 becomes n sequences reported under the same id with
-        indices 0..n-1. Raises InvalidParams or QueueFull, having queued nothing."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        lora: LoraRequest | None = None,
+    ) -> None:
+        """Queues a request, with the LoRA adapter `lora` if given; n > 1 becomes n
+        sequences reported under the same id with indices 0..n-1. Raises InvalidParams or
+        QueueFull, having queued nothing."""
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         stop_ids = frozenset(params.stop_token_ids)
@@ -77,6 +85,7 @@ class Engine:
                 params,
                 stop_token_ids=stop_ids,
                 seed=seed,
+                lora=lora,
             )
             text = OutputText(
                 self.tokenizer, request.prompt_ids, params.stop, params.skip_special_tokens
@@ -223,6 +232,8 @@ class Engine:
         stats.kv_blocks_total = kv.num_blocks
         stats.prefix_cache_queries = kv.prefix_cache_queries
         stats.prefix_cache_hits = kv.prefix_cache_hits
+        adapters = getattr(self.runner, "adapters", None)
+        stats.num_loras_resident = len(adapters.resident_names) if adapters is not None else 0
         return stats
 
 
@@ -234,4 +245,5 @@ def _finished_stats(req: Request, reason: str) -> FinishedStats:
         queue_s=(req.first_scheduled_time or now) - req.arrival_time,
         num_prompt_tokens=len(req.prompt_ids),
         num_output_tokens=len(req.output_ids),
+        lora_name=req.lora.name if req.lora is not None else None,
     )

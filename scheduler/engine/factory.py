@@ -47,6 +47,7 @@ def create_engine(
             max_num_batched_tokens=budget,
             max_waiting=config.max_waiting,
             speculative=config.speculative,
+            max_loras=config.max_loras,
         ),
         kv,
     )

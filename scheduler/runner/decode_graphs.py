@@ -100,7 +100,8 @@ class DecodeGraphs:
 
     def fits(self, batch: Batch) -> bool:
         return (
-            batch.num_seqs <= self.sizes[-1]
+            batch.lora_slots is None  # a captured graph holds no LoRA update
+            and batch.num_seqs <= self.sizes[-1]
             and batch.block_tables.shape[1] <= self.block_tables.shape[1]
             and all(n == 1 for n in batch.query_lens)
             and batch.logits_indices.shape[0] == batch.num_seqs

@@ -23,6 +23,7 @@ from model.network.paged_cache import PagedKVCache
 from model.plan.tuning import config_key, remembered_for
 from model.sampler import Sampler, position_seed
 from scheduler.config import GPU_MAX_NUM_BATCHED_TOKENS, EngineConfig
+from scheduler.runner.adapters import ResidentAdapters
 from scheduler.runner.decode_graphs import DecodeGraphs
 from scheduler.runner.draft_model import DraftModel
 from scheduler.runner.inputs import build_step_inputs, sampling_metadata
@@ -30,6 +31,7 @@ from scheduler.runner.kv_capacity import plan_kv_capacity
 from scheduler.runner.memory_profile import gpu_kv_budget
 from scheduler.runner.openmp import release_openmp_workers
 from scheduler.runner.step_results import (
+    fail_sequences,
     prompt_logprobs,
     sampled_rows,
     sampled_tokens,
@@ -103,6 +105,7 @@ class ModelRunner:
         # small steps may run on fewer (measure_small_step_threads).
         self.max_threads = torch.get_num_threads()
         self.small_step_threads = self.max_threads
+        self.adapters = ResidentAdapters.for_config(model, config)
 
     @property
     def vocab_size(self) -> int:
@@ -164,11 +167,17 @@ class ModelRunner:
         scheduled = plan.scheduled
         started = time.monotonic()
         try:
+            if self.adapters is not None:
+                scheduled = self.adapters.admit(plan, result)
+                if not scheduled:
+                    return result
             if self.drafter is not None:
                 scheduled = self.drafter.fill(scheduled, self.sample_vocab_size, result)
             inputs = build_step_inputs(
                 scheduled, self.block_size, self.kv_cache.null_block, self.device
             )
+            if self.adapters is not None:
+                inputs.batch.lora_slots = self.adapters.step_slots(scheduled)
             logits = self.forward(inputs.batch)
             result.forward_s = time.monotonic() - started
             result.num_tokens = inputs.batch.num_tokens
@@ -183,7 +192,7 @@ class ModelRunner:
             logger.exception(
                 "forward failed; failing the %d requests of this step", len(plan.scheduled)
             )
-            _fail(result, scheduled, "internal error in the model forward")
+            fail_sequences(result, scheduled, "internal error in the model forward")
             return result
 
         indices = [i for i, req in enumerate(scheduled) if req.sample]
@@ -217,7 +226,7 @@ class ModelRunner:
             # Only the rows that sampled are lost; an exception escaping the step would stop
             # the engine thread and with it every request on the server.
             logger.exception("sampling failed; failing the %d requests it held", len(sampling))
-            _fail(result, sampling, "internal error in the sampler")
+            fail_sequences(result, sampling, "internal error in the sampler")
         return result
 
     def forward(self, batch: Batch) -> torch.Tensor:
@@ -288,11 +297,3 @@ class ModelRunner:
         generator = torch.Generator(device=self.device)
         generator.manual_seed(position_seed(req.seed, len(req.output_ids) + ahead))
         return generator
-
-
-def _fail(result: ModelRunnerOutput, reqs: list[ScheduledRequest], message: str) -> None:
-    for req in reqs:
-        result.errors[req.request_id] = message
-        result.sampled.pop(req.request_id, None)
-        result.sampled_after.pop(req.request_id, None)
-        result.prompt_logprobs.pop(req.request_id, None)

@@ -93,3 +93,12 @@ def _to_host(*tensors: torch.Tensor | None) -> list[list | None]:
         present = host
     lists = iter([t.tolist() for t in present])
     return [next(lists) if t is not None else None for t in tensors]
+
+
+def fail_sequences(result: ModelRunnerOutput, reqs: list[ScheduledRequest], message: str) -> None:
+    """Takes back whatever the step had given `reqs`: they get `message` instead."""
+    for req in reqs:
+        result.errors[req.request_id] = message
+        result.sampled.pop(req.request_id, None)
+        result.sampled_after.pop(req.request_id, None)
+        result.prompt_logprobs.pop(req.request_id, None)

@@ -91,6 +91,7 @@ class ServerMetrics:
         self._add_latency_histograms()
         self._add_request_token_histograms(max_model_len)
         self._add_spec_decode_counters()
+        self._add_lora_metrics()
         self.iteration_tokens = self._histogram(
             "iteration_tokens_total",
             "Tokens fed to the model in one engine step (prefill chunks plus decodes).",
@@ -166,6 +167,29 @@ class ServerMetrics:
             self.request_success.labels(model_name, reason)
         for status_class in STATUS_CLASSES:
             self.request_errors.labels(model_name, status_class)
+
+    def _add_lora_metrics(self) -> None:
+        """Per LoRA adapter (label `lora_name`), counted when its requests finish."""
+        labels = ["model_name", "lora_name"]
+        self.lora_requests = Counter(
+            PREFIX + "lora_requests",
+            "Finished requests that ran with a LoRA adapter, by adapter.",
+            labels,
+            registry=self.registry,
+        )
+        self.lora_prompt_tokens = Counter(
+            PREFIX + "lora_prompt_tokens",
+            "Prompt tokens of finished requests, by LoRA adapter.",
+            labels,
+            registry=self.registry,
+        )
+        self.lora_generation_tokens = Counter(
+            PREFIX + "lora_generation_tokens",
+            "Generated tokens of finished requests, by LoRA adapter.",
+            labels,
+            registry=self.registry,
+        )
+        self.lora_resident = self._gauge("lora_adapters_resident", "LoRA adapters in memory.")
 
     def _add_latency_histograms(self) -> None:
         histogram = self._histogram
@@ -244,7 +268,16 @@ class ServerMetrics:
             self.spec_num_accepted_tokens.inc(spec.num_accepted_tokens)
             for position, count in enumerate(spec.accepted_per_position):
                 self.spec_accepted_per_position.labels(self.model_name, str(position)).inc(count)
+        self.lora_resident.set(stats.num_loras_resident)
         for done in stats.finished:
+            if done.lora_name is not None:
+                self.lora_requests.labels(self.model_name, done.lora_name).inc()
+                self.lora_prompt_tokens.labels(self.model_name, done.lora_name).inc(
+                    done.num_prompt_tokens
+                )
+                self.lora_generation_tokens.labels(self.model_name, done.lora_name).inc(
+                    done.num_output_tokens
+                )
             self.request_success.labels(self.model_name, done.finish_reason).inc()
             self.e2e_request_latency.observe(done.e2e_s)
             self.request_queue_time.observe(done.queue_s)

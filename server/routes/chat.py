@@ -51,11 +51,11 @@ async def create_chat_completion(
     ids, plan = inputs.prompt_ids, inputs.tools
     rid = raw.state.request_id
     raw.state.prompt_tokens = len(ids)
-    streams = await admit(state, [(rid, ids, inputs.params)], inputs.names)
+    streams = await admit(state, [(rid, ids, inputs.params)], inputs.names, req.model)
     header = {
         "id": f"chatcmpl-{rid}",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": state.answering_name(req.model),
         "system_fingerprint": state.fingerprint,
     }
     if req.stream:

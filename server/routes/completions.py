@@ -87,12 +87,12 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
         (f"{rid}-{i}" if len(prompts) > 1 else rid, ids, params) for i, ids in enumerate(prompts)
     ]
     raw.state.prompt_tokens = sum(len(ids) for ids in prompts)
-    streams = await admit(state, jobs)
+    streams = await admit(state, jobs, model=req.model)
     header = {
         "id": f"cmpl-{rid}",
         "object": "text_completion",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": state.answering_name(req.model),
         "system_fingerprint": state.fingerprint,
     }
     echo = [state.tokenizer.decode(ids) if req.echo else "" for ids in prompts]

@@ -41,7 +41,8 @@ async def create_message(req: MessagesRequest, raw: Request, state: ServerState)
     try:
         inputs = await chat_inputs(chat_request(req), state, rid)
         raw.state.prompt_tokens = len(inputs.prompt_ids)
-        (stream,) = await admit(state, [(rid, inputs.prompt_ids, inputs.params)], inputs.names)
+        jobs = [(rid, inputs.prompt_ids, inputs.params)]
+        (stream,) = await admit(state, jobs, inputs.names, req.model)
     except APIError as exc:
         raise renamed(exc) from None
     finish = Finish(state.tokenizer, inputs.params.stop, len(inputs.prompt_ids))

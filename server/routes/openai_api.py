@@ -60,4 +60,12 @@ async def models(raw: Request) -> ModelList:
     state = served_state(raw)
     names = [state.model_name, *state.extra_model_names]
     cards = [ModelCard(id=n, max_model_len=state.max_model_len, task=state.task) for n in names]
+    for lora in state.adapters.adapters() if state.adapters is not None else []:
+        card = ModelCard(
+            id=lora.name,
+            max_model_len=state.max_model_len,
+            root=lora.path,
+            parent=state.model_name,
+        )
+        cards.append(card)
     return ModelList(data=cards)

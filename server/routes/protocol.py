@@ -185,6 +185,9 @@ class ModelCard(BaseModel):
     owned_by: str = "llamaserve"
     max_model_len: int
     task: Literal["generate", "embed"] = "generate"
+    # A LoRA adapter's card names its base as `parent` and its path as `root`, as vLLM's.
+    root: str | None = None
+    parent: str | None = None
 
 
 class ModelList(BaseModel):

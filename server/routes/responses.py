@@ -32,7 +32,8 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
         chat = chat_request(req)
         inputs = await chat_inputs(chat, state, rid)
         raw.state.prompt_tokens = len(inputs.prompt_ids)
-        (stream,) = await admit(state, [(rid, inputs.prompt_ids, inputs.params)], inputs.names)
+        jobs = [(rid, inputs.prompt_ids, inputs.params)]
+        (stream,) = await admit(state, jobs, inputs.names, req.model)
     except APIError as exc:
         # The chat path names its own fields; the client sent the Responses API's.
         param = RESPONSES_PARAMS.get(exc.param or "", exc.param)
@@ -61,7 +62,7 @@ def _shell(req: ResponsesRequest, response_id: str, state: ServerState, inputs: 
         "incomplete_details": None,
         "instructions": req.instructions,
         "max_output_tokens": req.max_output_tokens,
-        "model": state.model_name,
+        "model": state.answering_name(req.model),
         "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": None,

@@ -35,12 +35,16 @@ async def admit(
     state: ServerState,
     jobs: list[tuple[str, list[int], SamplingParams]],
     names: dict[str, str] | None = None,
+    model: str | None = None,
 ) -> list[RequestStream]:
-    """Admits every job or none; a refusal becomes the client's error (`names`: the
-    client's names for the scheduler's fields, as `client_error` takes them)."""
+    """Admits every job or none, with the LoRA adapter `model` names if it names one; a
+    refusal becomes the client's error (`names`: the client's names for the scheduler's
+    fields, as `client_error` takes them)."""
+    lora = state.lora_for(model)
+    extra = [lora] if lora is not None else []  # a pooling engine takes no adapter
     # All at once: the engine thread takes its whole inbox between two steps, so a call of
     # many prompts or inputs is admitted in one round trip rather than a step each.
-    added = [state.engine.add_request(request_id, ids, params) for request_id, ids, params in jobs]
+    added = [state.engine.add_request(rid, ids, params, *extra) for rid, ids, params in jobs]
     results = await asyncio.gather(*added, return_exceptions=True)
     streams = [r for r in results if isinstance(r, RequestStream)]
     refusals = [r for r in results if isinstance(r, BaseException)]

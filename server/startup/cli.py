@@ -72,6 +72,7 @@ def read_api_keys(path: str) -> list[str]:
 def serve(args: argparse.Namespace) -> int:
     from server.startup.config import ParallelConfig, ServeConfig
     from server.startup.launch import build_server, uvicorn_server, watch_ranks
+    from server.startup.lora_flags import lora_refusal
     from server.startup.tensor_parallel import run_worker_node
 
     api_keys = list(args.api_key)
@@ -83,6 +84,10 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--header-timeout must be positive, got {args.header_timeout}")
     if args.limit_concurrency < 1:
         raise UsageError(f"--limit-concurrency must be at least 1, got {args.limit_concurrency}")
+    refusal = lora_refusal(args)
+    if refusal is not None:
+        raise UsageError(refusal)
+    lora = args.enable_lora or bool(args.lora_modules)
     config = ServeConfig(
         **model_settings(args),
         host=args.host,
@@ -93,6 +98,7 @@ def serve(args: argparse.Namespace) -> int:
         metrics_require_api_key=args.metrics_require_api_key,
         task=args.task,
         pooling=args.pooling,
+        lora_modules=dict(args.lora_modules),
         engine=EngineConfig(
             max_model_len=args.max_model_len,
             max_num_seqs=args.max_num_seqs,
@@ -104,6 +110,8 @@ def serve(args: argparse.Namespace) -> int:
             gpu_memory_utilization=args.gpu_memory_utilization,
             enforce_eager=args.enforce_eager,
             enable_prefix_caching=not args.no_prefix_caching,
+            max_loras=args.max_loras if lora else 0,
+            max_lora_rank=args.max_lora_rank,
             speculative=(
                 SpeculativeConfig.parse(args.speculative_config)
                 if args.speculative_config is not None

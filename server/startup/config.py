@@ -82,6 +82,8 @@ class ServeConfig:
     batch_invariant: bool = False  # only formats whose greedy output is batch-independent
     task: str = "auto"  # "generate", "embed"; auto: embed for an encoder checkpoint
     pooling: str | None = None  # embed: a mode or vLLM's pooler JSON; None: the model's
+    # LoRA adapters served from the start, name -> path (engine.max_loras > 0 serves any).
+    lora_modules: dict[str, str] = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)
     allowed_origins: list[str] = field(default_factory=list)
     max_request_bytes: int = 8 * 2**20

@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager, contextmanager
 import uvicorn
 from fastapi import FastAPI
 
+from model.config import ModelConfig
 from model.errors import ModelFileError, UnsupportedFormatError, UnsupportedModelError
 from model.loader import LoadedModel, load_model, resolve_device
 from model.parallel.plan import TensorParallel
@@ -30,6 +31,7 @@ from scheduler import (
     SpeculativeConfigError,
     create_engine,
 )
+from server.adapters.registry import AdapterRegistry
 from server.api import build_app
 from server.edge.connections import bounded_http_protocol
 from server.edge.metrics import ServerMetrics
@@ -112,6 +114,8 @@ def build_server(
     """With -tp N, this process becomes rank 0: it starts its machine's other ranks first
     (server/startup/tensor_parallel.py), and its model broadcasts every step to them."""
     kind = embedding_kind(config)
+    if kind is not None and config.engine.max_loras:
+        raise UnsupportedModelError("LoRA adapters serve text generation only; this model embeds")
     if kind is not None:
         decoder = (loaded or load(config)) if kind == "decoder" else None
         embedder = build_embedding_server(config, decoder)
@@ -169,6 +173,8 @@ def _serve(
         if embedding
         else reasoning_format(config.reasoning_parser, model.chat_template),
     )
+    if limits.max_loras and not embedding:
+        state.adapters = adapter_registry(config, model.config, names[0])
     app = build_app(state, metrics, config.allowed_origins)
     app.state.tensor_parallel = group
     url = f"http://{config.host}:{config.port}/v1"
@@ -258,3 +264,15 @@ def uvicorn_server(app: FastAPI, config: ServeConfig) -> uvicorn.Server:
             backlog=config.backlog,
         )
     )
+
+
+def adapter_registry(config: ServeConfig, base: ModelConfig, base_name: str) -> AdapterRegistry:
+    """The adapters' names, with --lora-modules' read and checked: a wrong one stops the
+    start-up with its one sentence (a `ModelFileError`)."""
+    registry = AdapterRegistry(base, base_name, config.engine.max_lora_rank)
+    for name, path in config.lora_modules.items():
+        try:
+            registry.add(name, path)
+        except ValueError as exc:
+            raise ModelFileError(f"--lora-modules {name}={path}: {exc}") from None
+    return registry

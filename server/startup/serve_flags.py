@@ -12,6 +12,7 @@ import os
 
 from scheduler import EngineConfig
 from server.reasoning.formats import CHOICES as REASONING_CHOICES
+from server.startup.lora_flags import add_lora_flags
 from server.startup.memory_size import parse_memory_size
 
 
@@ -20,6 +21,7 @@ def add_serve_flags(p: argparse.ArgumentParser) -> None:
     add_api_flags(p)
     add_engine_limit_flags(p)
     add_scheduler_policy_flags(p)
+    add_lora_flags(p)
     add_connection_flags(p)
 
 
