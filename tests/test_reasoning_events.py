@@ -62,7 +62,7 @@ def test_responses_events_carry_a_reasoning_item_first() -> None:
     shell = {"id": "resp_x", "object": "response", "created_at": 0, "model": "m", "output": [],
              "status": "in_progress", "parallel_tool_calls": True, "tool_choice": "auto",
              "tools": []}  # fmt: skip
-    inputs = ChatInputs([1, 2, 3, 4], None, None)
+    inputs = ChatInputs([1, 2, 3, 4], None, None, {})
     events = _collect(response_events(raw, _Recorded(), shell, inputs, FORMATS["deepseek_r1"]))
     deltas = {"reasoning": "", "text": ""}
     for kind, data in events:
