@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
 from gguf import GGMLQuantizationType as T
 from tqdm import tqdm
 
+from bench.shape_gguf import written_once
 from model.checkpoint.default_model import default_model_path
 from model.checkpoint.pypi_models import model_cache
 
@@ -138,12 +139,7 @@ def moe_shape_gguf(layers: int | None = None) -> Path:
     """The cached file, written first when there is none."""
     layers = layers or default_layers()
     path = model_cache() / f"qwen3-30b-a3b-shape-{layers}-layers-random-q4_k_m.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(".partial")
-        write(partial, layers)
-        partial.replace(path)
-    return path
+    return written_once(path, lambda partial: write(partial, layers))
 
 
 def main(argv: list[str] | None = None) -> None:

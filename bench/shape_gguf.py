@@ -12,6 +12,7 @@ the default model. Written once into the model cache; prints its path.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -78,15 +79,21 @@ def write(shape: str, path: Path, seed: int = 0) -> None:
     writer.close()
 
 
-def shape_gguf(shape: str = "llama-1b") -> Path:
-    """The cached file, written first when there is none."""
-    path = model_cache() / f"{shape}-shape-random-q4_1.gguf"
+def written_once(path: Path, write_to: Callable[[Path], None]) -> Path:
+    """`path`, written by `write_to` first when it is not there: under a temporary name,
+    then renamed, so an interrupted write never leaves a file that looks whole."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_suffix(".partial")
-        write(shape, partial)
+        write_to(partial)
         partial.replace(path)
     return path
+
+
+def shape_gguf(shape: str = "llama-1b") -> Path:
+    """The cached file, written first when there is none."""
+    path = model_cache() / f"{shape}-shape-random-q4_1.gguf"
+    return written_once(path, lambda partial: write(shape, partial))
 
 
 def main(argv: list[str] | None = None) -> None:
