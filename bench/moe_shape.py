@@ -22,12 +22,11 @@ import os
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as T
 from tqdm import tqdm
 
-from bench.shape_gguf import written_once
-from model.checkpoint.default_model import default_model_path
+from bench.shape_gguf import default_vocabulary, written_once
 from model.checkpoint.pypi_models import model_cache
 
 SHAPE = {"dim": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128}
@@ -75,7 +74,6 @@ def layer_tensors(i: int) -> list[tuple[str, tuple[int, ...], T | None]]:
 
 def write(path: Path, layers: int, seed: int = 0) -> None:
     dim, head = SHAPE["dim"], SHAPE["head_dim"]
-    source = GGUFReader(default_model_path())
     writer = GGUFWriter(str(path), "qwen3moe")
     writer.add_name(f"Qwen3-30B-A3B layer shape, {layers} layers, random weights")
     writer.add_block_count(layers)
@@ -91,12 +89,7 @@ def write(path: Path, layers: int, seed: int = 0) -> None:
     writer.add_expert_count(EXPERTS)
     writer.add_expert_used_count(EXPERTS_USED)
     writer.add_expert_feed_forward_length(EXPERT_FFN)
-    for name, field in source.fields.items():  # the default model's vocabulary, as it is
-        if name.startswith("tokenizer."):
-            kind = field.types[0]
-            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), kind, sub_type=sub)
-    vocab = int(source.fields["llama.vocab_size"].contents())
+    vocab = default_vocabulary(writer)
     tensors = [("token_embd.weight", (vocab, dim), T.Q8_0)]
     tensors += [("output_norm.weight", (dim,), None), ("output.weight", (vocab, dim), T.Q6_K)]
     for i in range(layers):

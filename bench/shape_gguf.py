@@ -27,10 +27,22 @@ SHAPES = {"llama-1b": {"layers": 16, "dim": 2048, "heads": 32, "kv_heads": 8, "f
 STD = 0.02
 
 
+def default_vocabulary(writer: GGUFWriter) -> int:
+    """Copies the default model's tokenizer (vocabulary, merges, chat template) into
+    `writer` as it is, so a server reads the file's text as the default model's; returns
+    the vocabulary's size."""
+    source = GGUFReader(default_model_path())
+    for name, field in source.fields.items():
+        if name.startswith("tokenizer."):
+            kind = field.types[0]
+            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+            writer.add_key_value(name, field.contents(), kind, sub_type=sub)
+    return int(source.fields["llama.vocab_size"].contents())
+
+
 def write(shape: str, path: Path, seed: int = 0) -> None:
     s = SHAPES[shape]
     head_dim = s["dim"] // s["heads"]
-    source = GGUFReader(default_model_path())
     writer = GGUFWriter(str(path), "llama")
     writer.add_name(f"{shape} shape, random weights")
     writer.add_block_count(s["layers"])
@@ -42,12 +54,7 @@ def write(shape: str, path: Path, seed: int = 0) -> None:
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(100000.0)
     writer.add_layer_norm_rms_eps(1e-5)
-    for name, field in source.fields.items():  # the default model's vocabulary, as it is
-        if name.startswith("tokenizer."):
-            kind = field.types[0]
-            sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
-            writer.add_key_value(name, field.contents(), kind, sub_type=sub)
-    vocab = int(source.fields["llama.vocab_size"].contents())
+    vocab = default_vocabulary(writer)
     rng = np.random.default_rng(seed)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
