@@ -14,6 +14,7 @@ from __future__ import annotations
 from enum import Enum
 
 from server.reasoning.formats import ReasoningFormat
+from server.structured.tool_stream import partial_tag
 
 
 class Phase(Enum):
@@ -75,7 +76,7 @@ class ReasoningSplitter:
                 cut, rest = end, end + len(fmt.end_tag)
                 self.phase = Phase.AFTER
             else:
-                cut = rest = len(pending) - (0 if final else _partial_tag(pending, fmt.end_tag))
+                cut = rest = len(pending) - (0 if final else partial_tag(pending, fmt.end_tag))
             if cut:
                 pieces.append(("reasoning", pending[:cut]))
             self._pending = pending[rest:]
@@ -105,11 +106,3 @@ def _merged(pieces: list[Piece]) -> list[Piece]:
         else:
             out.append((kind, text))
     return out
-
-
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that could begin `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0

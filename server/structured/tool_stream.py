@@ -98,7 +98,7 @@ class ToolCallStream:
             start = self.text.find(self._tag, self._pos)
             if start == -1:
                 end = (
-                    len(self.text) if final else len(self.text) - _partial_tag(self.text, self._tag)
+                    len(self.text) if final else len(self.text) - partial_tag(self.text, self._tag)
                 )
                 if end > self._pos:
                     deltas.append({"content": self.text[self._pos : end]})
@@ -176,8 +176,10 @@ def _scan_json(text: str, call: _OpenCall) -> int | None:
     return None
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that could begin `tag`."""
+def partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that could begin `tag`: what a stream must
+    hold back until the next piece says whether the tag is there (the reasoning splitter
+    holds back `</think>` with it too)."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
             return n
