@@ -39,6 +39,10 @@ class WordPieceTokenizer:
         self.special_tokens = {
             t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         }
+        # A second copy for text pairs, which a cross-encoder reads cut to its length as
+        # sentence-transformers cuts them: the library's own longest-first truncation.
+        self._pairs = HFTokenizer.from_str(self._tok.to_str())
+        self._pairs_limit = 0
 
     def encode(
         self, text: str, allow_special: bool = False, add_bos: bool | None = None
@@ -48,6 +52,21 @@ class WordPieceTokenizer:
         the library matches it always, and so does sentence-transformers, whose vectors an
         encoder's must equal. An encoder only embeds: no control token steers anything."""
         return self._tok.encode(text, add_special_tokens=add_bos is not False).ids
+
+    def encode_pairs(
+        self, pairs: Sequence[tuple[str, str]], max_len: int
+    ) -> list[tuple[list[int], list[int]]]:
+        """(token ids, token type ids) of each pair in the model's pair template
+        ([CLS] first [SEP] second [SEP], types 0 then 1), cut to `max_len` tokens by
+        removing tokens from the longer text first, as `CrossEncoder.predict` does."""
+        if max_len != self._pairs_limit:
+            self._pairs.enable_truncation(max_len, strategy="longest_first")
+            self._pairs_limit = max_len
+        try:
+            encoded = self._pairs.encode_batch(list(pairs))
+        except Exception as exc:  # the library raises its own exception types
+            raise TokenizerError(f"the tokenizer cannot encode text pairs ({exc})") from None
+        return [(e.ids, e.type_ids) for e in encoded]
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
