@@ -51,7 +51,10 @@ class WordPieceTokenizer:
         Special-token text in `text` is the token it spells whatever `allow_special` says:
         the library matches it always, and so does sentence-transformers, whose vectors an
         encoder's must equal. An encoder only embeds: no control token steers anything."""
-        return self._tok.encode(text, add_special_tokens=add_bos is not False).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_bos is not False).ids
+        except TypeError:  # a lone surrogate: see _without_surrogates
+            return self.encode(_without_surrogates(text), allow_special, add_bos)
 
     def encode_pairs(
         self, pairs: Sequence[tuple[str, str]], max_len: int
@@ -64,8 +67,9 @@ class WordPieceTokenizer:
             self._pairs_limit = max_len
         try:
             encoded = self._pairs.encode_batch(list(pairs))
-        except Exception as exc:  # the library raises its own exception types
-            raise TokenizerError(f"the tokenizer cannot encode text pairs ({exc})") from None
+        except TypeError:  # a lone surrogate: see _without_surrogates
+            clean = [(_without_surrogates(a), _without_surrogates(b)) for a, b in pairs]
+            encoded = self._pairs.encode_batch(clean)
         return [(e.ids, e.type_ids) for e in encoded]
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
@@ -75,3 +79,9 @@ class WordPieceTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return (self._tok.id_to_token(token_id) or "").encode()
+
+
+def _without_surrogates(text: str) -> str:
+    """Lone surrogates (legal in JSON strings) have no UTF-8 form, and the library refuses
+    such a string: they become U+FFFD, as the BPE tokenizer makes them."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
