@@ -138,5 +138,7 @@ async def _run_waves(
             if out.error is not None or out.embedding is None:
                 raise APIError(500, f"scoring failed: {out.error}")
             got[i] = float(out.embedding[0])
-        scores.extend(s for s in got if s is not None)
+        for score in got:
+            assert score is not None  # merge ends only when every stream has finished
+            scores.append(score)
     return scores
