@@ -37,12 +37,17 @@ from scheduler.structured.grammar import Grammar
 
 if TYPE_CHECKING:
     from scheduler.engine.factory import create_engine
-    from scheduler.runner.pooling_runner import DecoderPoolingRunner, EncoderRunner
+    from scheduler.runner.pooling_runner import (
+        CrossEncoderRunner,
+        DecoderPoolingRunner,
+        EncoderRunner,
+    )
     from scheduler.runner.rank_process import WorkerSpec, serve_steps
 
 __all__ = [
     "ROW_FIELDS",
     "AsyncEngine",
+    "CrossEncoderRunner",
     "DecoderPoolingRunner",
     "EncoderRunner",
     "Engine",
@@ -76,7 +81,7 @@ def __getattr__(name: str) -> object:
         from scheduler.engine.factory import create_engine
 
         return create_engine
-    if name in ("DecoderPoolingRunner", "EncoderRunner"):
+    if name in ("CrossEncoderRunner", "DecoderPoolingRunner", "EncoderRunner"):
         from scheduler.runner import pooling_runner
 
         return getattr(pooling_runner, name)

@@ -1,9 +1,8 @@
 """The FastAPI application, assembled: the state and metrics every handler reads stored on
 the app, the error handlers, the middleware, and the routers of server/routes/ (the
-OpenAI API, tokens, health, metrics, the router-facing endpoints, Anthropic's Messages
-API), each attached with the
-guard it needs. Handlers translate between the wire and the engine; they never touch KV
-blocks or model tensors."""
+OpenAI API, rerank and score, tokens, health, metrics, the router-facing endpoints,
+Anthropic's Messages API), each attached with the guard it needs. Handlers translate
+between the wire and the engine; they never touch KV blocks or model tensors."""
 
 from __future__ import annotations
 
@@ -13,7 +12,15 @@ from fastapi.middleware.cors import CORSMiddleware
 from server.edge.errors import install_error_handlers
 from server.edge.metrics import ServerMetrics
 from server.edge.middleware import BodyLimit, RequestContext
-from server.routes import adapters, messages, monitoring, openai_api, routing, tokens
+from server.routes import (
+    adapters,
+    messages,
+    monitoring,
+    openai_api,
+    routing,
+    scoring_api,
+    tokens,
+)
 from server.routes.guards import authorized
 from server.state import ServerState
 
@@ -37,6 +44,7 @@ def build_app(
 
     guarded = [Depends(authorized)]
     app.include_router(openai_api.router, dependencies=guarded)
+    app.include_router(scoring_api.router, dependencies=guarded)
     app.include_router(adapters.router, dependencies=guarded)
     app.include_router(monitoring.health_router)
     app.include_router(tokens.router, dependencies=guarded)

@@ -40,6 +40,8 @@ class ServerState:
     fingerprint: str = "fp_llamaserve"
     extra_model_names: list[str] = field(default_factory=list)
     embedding: EmbeddingSpec | None = None  # set: the model embeds and generates nothing
+    # A cross-encoder: scores text pairs (rerank, score); neither embeds nor generates.
+    scores_pairs: bool = False
     reasoning: ReasoningFormat | None = None  # --reasoning-parser: how think blocks look
     adapters: AdapterRegistry | None = None  # --enable-lora: the adapters' names
     grammars: GrammarCompiler = field(init=False)
@@ -49,6 +51,8 @@ class ServerState:
 
     @property
     def task(self) -> str:
+        if self.scores_pairs:
+            return "score"
         return "generate" if self.embedding is None else "embed"
 
     def serves(self, model: str | None) -> bool:

@@ -18,10 +18,14 @@ class RecordingRunner:
 
     def __init__(self, fail_on: int | None = None) -> None:
         self.steps: list[list[list[int]]] = []
+        self.types: list[list[list[int]] | None] = []
         self.fail_on = fail_on
 
-    def embed(self, token_ids: list[list[int]]) -> np.ndarray:
+    def embed(
+        self, token_ids: list[list[int]], token_type_ids: list[list[int]] | None = None
+    ) -> np.ndarray:
         self.steps.append(token_ids)
+        self.types.append(token_type_ids)
         if self.fail_on is not None and len(self.steps) == self.fail_on:
             raise RuntimeError("out of memory")
         # Each vector says which input it came from: its first token and its length.
@@ -67,6 +71,21 @@ def test_admission_limits() -> None:
     e.add_request("b", [1], PoolingParams())
     with pytest.raises(QueueFull):
         e.add_request("c", [1], PoolingParams())
+
+
+def test_token_types_reach_the_runner_only_where_an_input_has_them() -> None:
+    """A cross-encoder's pairs carry their segments; a step of single texts passes none,
+    and a single text beside a pair is all segment 0."""
+    runner = RecordingRunner()
+    e = engine(runner, max_num_batched_tokens=100)
+    e.add_request("one", [1, 2], PoolingParams())
+    run_all(e)
+    e.add_request("pair", [5, 6, 7], PoolingParams(token_type_ids=(0, 0, 1)))
+    e.add_request("text", [8, 9], PoolingParams())
+    run_all(e)
+    assert runner.types == [None, [[0, 0, 1], [0, 0]]]
+    with pytest.raises(InvalidParams):
+        e.add_request("bad", [1, 2], PoolingParams(token_type_ids=(0,)))
 
 
 def test_abort_of_a_waiting_input() -> None:

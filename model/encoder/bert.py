@@ -153,19 +153,27 @@ class Bert(nn.Module):
         self.layers = nn.ModuleList(_Layer(config) for _ in range(config.n_layers))
 
     @torch.inference_mode()
-    def forward(self, token_ids: list[list[int]]) -> torch.Tensor:
+    def forward(
+        self, token_ids: list[list[int]], token_type_ids: list[list[int]] | None = None
+    ) -> torch.Tensor:
         """Hidden states of every token, the sequences one after another: [sum of
-        lengths, dim]. Every sequence is one segment (token type 0). The linear layers run
-        on the packed tokens, so no padding costs them anything; only attention pads, in
-        groups of sequences of similar length."""
+        lengths, dim]. `token_type_ids` says each token's segment (a cross-encoder's pair
+        is two); None: every sequence is one segment (type 0). The linear layers run on the
+        packed tokens, so no padding costs them anything; only attention pads, in groups of
+        sequences of similar length."""
         device = self.word_embeddings.weight.device
         lengths = [len(ids) for ids in token_ids]
         ids = torch.tensor([t for seq in token_ids for t in seq], dtype=torch.int64)
         positions = torch.cat([torch.arange(n) for n in lengths])
+        if token_type_ids is None:
+            segments = self.token_type_embeddings.weight[0]
+        else:
+            types = torch.tensor([t for seq in token_type_ids for t in seq], dtype=torch.int64)
+            segments = self.token_type_embeddings(types.to(device))
         h = (
             self.word_embeddings(ids.to(device))
             + self.position_embeddings(positions.to(device))
-            + self.token_type_embeddings.weight[0]
+            + segments
         )
         h = self.embed_norm(h)
         groups = _groups(lengths, device)
@@ -176,7 +184,8 @@ class Bert(nn.Module):
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """HF BertModel names (a `bert.` prefix, as task heads save them, is dropped);
-        the pooler and any task head are not part of an embedder and are skipped. Every
+        the pooler and any task head are not part of the encoder and are skipped (a
+        cross-encoder's go to its `ClassifierHead`). Every
         parameter must be filled exactly once."""
         params = dict(self.named_parameters())
         seen: set[str] = set()

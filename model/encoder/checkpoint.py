@@ -4,13 +4,16 @@
 (the length it was trained to read).
 
 A bare Hugging Face BERT directory (no `modules.json`) loads too, with the pooling
-sentence-transformers gives such a model: mean, not normalised.
+sentence-transformers gives such a model: mean, not normalised. A cross-encoder
+(`BertForSequenceClassification`, as `CrossEncoder.save` writes it) loads with its
+classifier head (model/encoder/classifier.py) and scores text pairs instead of embedding.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from tqdm import tqdm
 
 from model.checkpoint.safetensors import count_tensors, iter_safetensors, safetensors_files
 from model.encoder.bert import Bert, BertConfig
+from model.encoder.classifier import ClassifierHead, build_head, head_tensor_name, is_cross_encoder
 from model.encoder.pooling import PoolingConfig
 from model.encoder.precision import fastest_dtype
 from model.errors import ModelFileError, UnsupportedModelError
@@ -42,6 +46,8 @@ class LoadedEncoder:
     # Lengths `dimensions` may cut a vector to: None when the model was not trained to
     # be cut (a request asking is a 400), "any" when its config allows every length.
     matryoshka: list[int] | str | None
+    # A cross-encoder's pooler and classifier: set, the model scores pairs and embeds nothing.
+    head: ClassifierHead | None = None
 
     @property
     def dim(self) -> int:
@@ -77,25 +83,30 @@ def load_encoder(
             f"{config.vocab_size}"
         )
     pooling, trained_len = _sentence_transformers_stages(path)
+    if trained_len is None:
+        trained_len = _tokenizer_max_length(path)
     limit = min(x for x in (config.max_position, trained_len, max_model_len) if x is not None)
     files = safetensors_files(path)
     model = Bert(config)
-    weights = iter_safetensors(files, torch.float32)
-    model.load_weights(
-        tqdm(weights, total=count_tensors(files), desc="loading weights", disable=not progress)
-    )
+    head = build_head(path, hf, config.dim) if is_cross_encoder(hf) else None
+    if head is not None:
+        _check_pair_template(tokenizer, tokenizer_file, limit)
+    _load_weights(model, head, files, progress, str(path))
+    if head is not None:
+        head = head.to(device=device).eval()
     model = model.to(device=device).eval()
     if dtype == "auto":
         model = fastest_dtype(model)
     else:
         model = model.to(DTYPES[dtype] if isinstance(dtype, str) else dtype)
     logger.info(
-        "encoder %s: %d layers, dim %d, %s pooling%s, up to %d tokens",
+        "encoder %s: %d layers, dim %d, %s, up to %d tokens",
         path.name,
         config.n_layers,
         config.dim,
-        pooling.mode,
-        ", normalised" if pooling.normalize else "",
+        f"cross-encoder, {head.activation} of one label"
+        if head is not None
+        else f"{pooling.mode} pooling{', normalised' if pooling.normalize else ''}",
         limit,
     )
     return LoadedEncoder(
@@ -106,7 +117,41 @@ def load_encoder(
         pooling=pooling,
         max_model_len=limit,
         matryoshka=matryoshka_dimensions(hf),
+        head=head,
     )
+
+
+def _check_pair_template(tokenizer: WordPieceTokenizer, file: Path, limit: int) -> None:
+    """A tokenizer.json whose template has no pair form joins two texts with no [CLS] or
+    [SEP] at all, silently; a cross-encoder was trained on the marked pair."""
+    ids, _ = tokenizer.encode_pairs([("a", "b")], limit)[0]
+    bare = tokenizer.encode("a", add_bos=False) + tokenizer.encode("b", add_bos=False)
+    if len(ids) <= len(bare):
+        raise ModelFileError(f"{file}: its post-processor has no template for text pairs")
+
+
+def _load_weights(
+    model: Bert, head: ClassifierHead | None, files: list[Path], progress: bool, source: str
+) -> None:
+    """One pass over the safetensors: the encoder's tensors to `model`, the pooler's and
+    classifier's to `head` (dropped where there is none: an embedder has no use for them)."""
+    head_tensors: dict[str, torch.Tensor] = {}
+
+    def encoder_tensors(
+        weights: Iterator[tuple[str, torch.Tensor]],
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            ours = head_tensor_name(name)
+            if ours is None:
+                yield name, tensor
+            elif head is not None:
+                head_tensors[ours] = tensor
+
+    weights = encoder_tensors(iter_safetensors(files, torch.float32))
+    total = count_tensors(files)
+    model.load_weights(tqdm(weights, total=total, desc="loading weights", disable=not progress))
+    if head is not None:
+        head.load_weights(head_tensors, source)
 
 
 def matryoshka_dimensions(hf: dict[str, Any]) -> list[int] | str | None:
@@ -115,6 +160,16 @@ def matryoshka_dimensions(hf: dict[str, Any]) -> list[int] | str | None:
     if isinstance(dims, list) and all(isinstance(d, int) for d in dims):
         return sorted(dims)
     return "any" if hf.get("is_matryoshka") is True else None
+
+
+def _tokenizer_max_length(path: Path) -> int | None:
+    """`model_max_length` of `tokenizer_config.json`, which sentence-transformers reads
+    where `sentence_bert_config.json` names no length (as `CrossEncoder.save` writes it)."""
+    file = path / "tokenizer_config.json"
+    if not file.is_file():
+        return None
+    value = _read_json(file).get("model_max_length")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def _sentence_transformers_stages(path: Path) -> tuple[PoolingConfig, int | None]:

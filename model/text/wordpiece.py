@@ -39,6 +39,10 @@ class WordPieceTokenizer:
         self.special_tokens = {
             t.content: i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         }
+        # A second copy for text pairs, which a cross-encoder reads cut to its length as
+        # sentence-transformers cuts them: the library's own longest-first truncation.
+        self._pairs = HFTokenizer.from_str(self._tok.to_str())
+        self._pairs_limit = 0
 
     def encode(
         self, text: str, allow_special: bool = False, add_bos: bool | None = None
@@ -47,7 +51,26 @@ class WordPieceTokenizer:
         Special-token text in `text` is the token it spells whatever `allow_special` says:
         the library matches it always, and so does sentence-transformers, whose vectors an
         encoder's must equal. An encoder only embeds: no control token steers anything."""
-        return self._tok.encode(text, add_special_tokens=add_bos is not False).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_bos is not False).ids
+        except TypeError:  # a lone surrogate: see _without_surrogates
+            return self.encode(_without_surrogates(text), allow_special, add_bos)
+
+    def encode_pairs(
+        self, pairs: Sequence[tuple[str, str]], max_len: int
+    ) -> list[tuple[list[int], list[int]]]:
+        """(token ids, token type ids) of each pair in the model's pair template
+        ([CLS] first [SEP] second [SEP], types 0 then 1), cut to `max_len` tokens by
+        removing tokens from the longer text first, as `CrossEncoder.predict` does."""
+        if max_len != self._pairs_limit:
+            self._pairs.enable_truncation(max_len, strategy="longest_first")
+            self._pairs_limit = max_len
+        try:
+            encoded = self._pairs.encode_batch(list(pairs))
+        except TypeError:  # a lone surrogate: see _without_surrogates
+            clean = [(_without_surrogates(a), _without_surrogates(b)) for a, b in pairs]
+            encoded = self._pairs.encode_batch(clean)
+        return [(e.ids, e.type_ids) for e in encoded]
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
@@ -56,3 +79,9 @@ class WordPieceTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         return (self._tok.id_to_token(token_id) or "").encode()
+
+
+def _without_surrogates(text: str) -> str:
+    """Lone surrogates (legal in JSON strings) have no UTF-8 form, and the library refuses
+    such a string: they become U+FFFD, as the BPE tokenizer makes them."""
+    return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")

@@ -33,23 +33,29 @@ class PoolingRunner(Protocol):
     max_model_len: int
     dim: int
 
-    def embed(self, token_ids: list[list[int]]) -> np.ndarray:
-        """[len(token_ids), dim] float32: one vector per input."""
+    def embed(
+        self, token_ids: list[list[int]], token_type_ids: list[list[int]] | None = None
+    ) -> np.ndarray:
+        """[len(token_ids), dim] float32: one vector per input (a cross-encoder's: its
+        scores). `token_type_ids`: each token's segment, None where no input has two."""
         ...
 
 
 @dataclass(frozen=True)
 class PoolingParams:
-    """What an embedding request asks beyond its tokens: nothing yet, the route shapes
-    the vector. `n` is there because `AsyncEngine` counts a request's sequences."""
+    """What a pooling request asks beyond its tokens: the segment of each token where the
+    input is a text pair for a cross-encoder (empty: one segment); the route shapes the
+    vector. `n` is there because `AsyncEngine` counts a request's sequences."""
 
     n: int = 1
+    token_type_ids: tuple[int, ...] = ()
 
 
 @dataclass
 class _Input:
     request_id: str
     token_ids: list[int]
+    token_type_ids: tuple[int, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)
 
 
@@ -71,7 +77,9 @@ class PoolingEngine:
                 f"an input of {len(prompt_ids)} tokens is over the model's limit of "
                 f"{self.config.max_model_len}",
             )
-        self.waiting.append(_Input(request_id, list(prompt_ids)))
+        if params.token_type_ids and len(params.token_type_ids) != len(prompt_ids):
+            raise InvalidParams("input", "token_type_ids must give one segment per token")
+        self.waiting.append(_Input(request_id, list(prompt_ids), params.token_type_ids))
 
     def abort(self, request_id: str) -> None:
         """Only waiting inputs can be aborted: a step runs start to end on this thread."""
@@ -95,7 +103,10 @@ class PoolingEngine:
         stats.num_running = len(taken)
         stats.num_tokens = sum(len(i.token_ids) for i in taken)
         try:
-            vectors = self.runner.embed([i.token_ids for i in taken])
+            types = None
+            if any(i.token_type_ids for i in taken):
+                types = [list(i.token_type_ids) or [0] * len(i.token_ids) for i in taken]
+            vectors = self.runner.embed([i.token_ids for i in taken], types)
         except Exception:
             # A failure costs the inputs of this step, never the engine thread.
             logger.exception("embedding step of %d inputs failed", len(taken))

@@ -1,6 +1,7 @@
 """Runners of embedding work: token ids of whole inputs in, one pooled float32 vector per
 input out. `EncoderRunner` drives a bidirectional encoder (model/encoder/bert.py), which
-keeps nothing between calls. `DecoderPoolingRunner` drives a served decoder family
+keeps nothing between calls; `CrossEncoderRunner` the same encoder with a classifier head,
+scoring text pairs. `DecoderPoolingRunner` drives a served decoder family
 (`--task embed`): its attention writes K/V to a paged cache, so it runs each step in a
 scratch cache of its own that no request holds once the step is done.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from model.encoder.bert import Bert
+from model.encoder.classifier import ClassifierHead
 from model.encoder.pooling import PoolingConfig, pool
 from model.network.batch import Batch
 from model.network.llama import Llama
@@ -26,9 +28,28 @@ class EncoderRunner:
         self.max_model_len = max_model_len
         self.dim = model.config.dim
 
-    def embed(self, token_ids: list[list[int]]) -> np.ndarray:
-        hidden = self.model(token_ids)
+    def embed(
+        self, token_ids: list[list[int]], token_type_ids: list[list[int]] | None = None
+    ) -> np.ndarray:
+        hidden = self.model(token_ids, token_type_ids)
         return pool(hidden, [len(t) for t in token_ids], self.pooling).cpu().numpy()
+
+
+class CrossEncoderRunner:
+    """A cross-encoder: each input is a text pair in one sequence, and its "vector" is the
+    classifier's scores after the activation ([num_labels], one for a reranker)."""
+
+    def __init__(self, model: Bert, head: ClassifierHead, max_model_len: int) -> None:
+        self.model = model
+        self.head = head
+        self.max_model_len = max_model_len
+        self.dim = head.classifier.out_features
+
+    def embed(
+        self, token_ids: list[list[int]], token_type_ids: list[list[int]] | None = None
+    ) -> np.ndarray:
+        hidden = self.model(token_ids, token_type_ids)
+        return self.head(hidden, [len(t) for t in token_ids]).cpu().numpy()
 
 
 class DecoderPoolingRunner:
@@ -58,7 +79,11 @@ class DecoderPoolingRunner:
             model.config, blocks, block_size, model.dtype, model.device
         )
 
-    def embed(self, token_ids: list[list[int]]) -> np.ndarray:
+    def embed(
+        self, token_ids: list[list[int]], token_type_ids: list[list[int]] | None = None
+    ) -> np.ndarray:
+        """A decoder has no segments: `token_type_ids` is never given (the routes score
+        pairs only on a cross-encoder)."""
         tables, start = [], 0
         for ids in token_ids:
             count = -(-len(ids) // self.block_size)

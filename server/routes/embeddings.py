@@ -31,6 +31,13 @@ WAVE = 256
 
 def embedding_spec(state: ServerState) -> EmbeddingSpec:
     """The spec of a model that embeds, or the 400 a generating model answers."""
+    if state.scores_pairs:
+        raise APIError(
+            400,
+            f"the model `{state.model_name}` is a cross-encoder: it scores text pairs and has "
+            "no embeddings; use /v1/rerank or /score",
+            "model",
+        )
     if state.embedding is None:
         raise APIError(
             400,

@@ -43,10 +43,17 @@ def check_model(model: str | None, state: ServerState) -> None:
 
 def check_generates(model: str | None, state: ServerState) -> None:
     check_model(model, state)
-    if state.embedding is not None:
+    if state.task == "embed":
         raise APIError(
             400,
             f"the model `{state.model_name}` is an embedding model and generates no "
             "text; use /v1/embeddings",
+            "model",
+        )
+    if state.task == "score":
+        raise APIError(
+            400,
+            f"the model `{state.model_name}` is a cross-encoder and generates no text; "
+            "use /v1/rerank or /score",
             "model",
         )

@@ -184,7 +184,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "llamaserve"
     max_model_len: int
-    task: Literal["generate", "embed"] = "generate"
+    task: Literal["generate", "embed", "score"] = "generate"
     # A LoRA adapter's card names its base as `parent` and its path as `root`, as vLLM's.
     root: str | None = None
     parent: str | None = None

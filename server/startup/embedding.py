@@ -1,6 +1,7 @@
-"""Start-up of a server whose model embeds: which task a model serves (`--task`, or auto
-from the checkpoint), and the pooling engine, runner and `EmbeddingSpec` for an encoder
-directory or for a decoder family served with `--task embed`.
+"""Start-up of a server whose model embeds or scores: which task a model serves (`--task`,
+or auto from the checkpoint), and the pooling engine, runner and `EmbeddingSpec` for an
+encoder directory, a cross-encoder directory (which scores text pairs) or a decoder family
+served with `--task embed`.
 
 The generating path stays launch.py's; this module only adds the other one.
 """
@@ -18,7 +19,13 @@ from model.encoder.pooling import PoolingConfig
 from model.loader import LoadedModel, resolve_device
 from model.text.tokenizer import Tokenizer
 from model.text.wordpiece import WordPieceTokenizer
-from scheduler import DecoderPoolingRunner, EncoderRunner, PoolingEngine, SchedulerConfig
+from scheduler import (
+    CrossEncoderRunner,
+    DecoderPoolingRunner,
+    EncoderRunner,
+    PoolingEngine,
+    SchedulerConfig,
+)
 from server.startup.config import ServeConfig
 from server.startup.flags import UsageError
 from server.state import EmbeddingSpec
@@ -38,7 +45,7 @@ class EmbeddingServer:
     tokenizer: Tokenizer | WordPieceTokenizer
     name: str
     vocab_size: int
-    spec: EmbeddingSpec
+    spec: EmbeddingSpec | None  # None: a cross-encoder, which scores and embeds nothing
 
 
 def embedding_kind(config: ServeConfig) -> str | None:
@@ -70,7 +77,13 @@ def build_embedding_server(config: ServeConfig, loaded: LoadedModel | None) -> E
             max_model_len=config.engine.max_model_len,
         )
         pooling = encoder.pooling.overridden(config.pooling)
-        runner = EncoderRunner(encoder.model, pooling, encoder.max_model_len)
+        runner: EncoderRunner | CrossEncoderRunner | DecoderPoolingRunner
+        if encoder.head is not None:
+            if config.pooling is not None:
+                raise UsageError("--pooling: a cross-encoder pools its [CLS] token by its head")
+            runner = CrossEncoderRunner(encoder.model, encoder.head, encoder.max_model_len)
+        else:
+            runner = EncoderRunner(encoder.model, pooling, encoder.max_model_len)
         tokenizer: Tokenizer | WordPieceTokenizer = encoder.tokenizer
         name, vocab_size = encoder.name, encoder.model.config.vocab_size
         matryoshka = encoder.matryoshka
@@ -99,7 +112,9 @@ def build_embedding_server(config: ServeConfig, loaded: LoadedModel | None) -> E
             max_waiting=config.engine.max_waiting,
         ),
     )
-    spec = EmbeddingSpec(dim=runner.dim, normalize=pooling.normalize, matryoshka=matryoshka)
+    spec = None
+    if not isinstance(runner, CrossEncoderRunner):
+        spec = EmbeddingSpec(dim=runner.dim, normalize=pooling.normalize, matryoshka=matryoshka)
     return EmbeddingServer(engine, tokenizer, name, vocab_size, spec)
 
 

@@ -166,6 +166,7 @@ def _serve(
         max_model_len=limits.max_model_len,
         vocab_size=model.vocab_size if embedding else model.config.vocab_size,
         embedding=model.spec if embedding else None,
+        scores_pairs=isinstance(model, EmbeddingServer) and model.spec is None,
         api_keys=config.api_keys,
         metrics_require_api_key=config.metrics_require_api_key,
         max_request_bytes=config.max_request_bytes,

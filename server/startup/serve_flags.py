@@ -55,6 +55,7 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
         choices=["auto", "generate", "embed"],
         help="what the model serves: generate (completions, chat), embed (/v1/embeddings); "
         "auto (default): embed for an encoder such as a sentence-transformers directory, "
+        "rerank and score for a cross-encoder (BertForSequenceClassification), "
         "generate for every decoder family",
     )
     p.add_argument(
