@@ -12,6 +12,7 @@ from importlib.resources import files
 import httpx
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from selenium.webdriver import ActionChains, Keys
 
 from server.api import build_app
 from server.edge.metrics import ServerMetrics
@@ -164,6 +165,35 @@ def test_answer_streams_equals_greedy_and_survives_reload(
     finally:
         browser.set_window_size(*DESKTOP)
     assert console_errors(browser) == []
+
+
+def test_shift_enter_regenerate_and_edit_resend(browser, live_server) -> None:
+    new_chat(browser)
+    set_settings(browser, temperature=0, max_tokens=3)
+    prompt = browser.find_element("id", "prompt")
+    prompt.send_keys("Name a colour.")
+    ActionChains(browser).key_down(Keys.SHIFT).send_keys(Keys.ENTER).key_up(Keys.SHIFT).perform()
+    assert prompt.get_attribute("value") == "Name a colour.\n"  # a new line, nothing sent
+    assert browser.find_elements("css selector", ".msg") == []
+    prompt.send_keys("Briefly.\n")
+    wait_answer(browser)
+    first = current_messages(browser)
+    assert first[0]["content"] == "Name a colour.\nBriefly."
+    browser.find_element("css selector", ".msg.assistant .regenerate").click()
+    wait_answer(browser)
+    again = current_messages(browser)
+    assert len(again) == 2 and again[1]["content"] == first[1]["content"]  # greedy: the same
+    browser.find_element("css selector", ".msg.user .edit").click()
+    edit = browser.find_element("css selector", ".msg.user .edit-box")
+    edit.clear()
+    edit.send_keys("Name a fruit.")
+    browser.find_element("css selector", ".msg.user .resend").click()
+    wait_answer(browser)
+    edited = current_messages(browser)
+    assert [m["role"] for m in edited] == ["user", "assistant"]
+    assert edited[0]["content"] == "Name a fruit."
+    titles = browser.find_element("id", "conversations").text
+    assert "Name a colour." in titles  # the conversation keeps its name
 
 
 def test_stop_ends_the_stream_and_frees_the_kv_blocks(browser, live_server) -> None:
