@@ -10,6 +10,7 @@ import time
 from importlib.resources import files
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from selenium.webdriver import ActionChains, Keys
@@ -104,6 +105,24 @@ def test_page_weight_headers_and_switch(live_server) -> None:
     bare = TestClient(build_app(state, ServerMetrics(state.model_name, 1024, 2048), webui=False))
     assert bare.get("/").content == b"" and bare.head("/").status_code == 200
     assert bare.get("/webui/app.js").status_code == 404
+
+
+class Built(Exception):
+    """Raised by the stand-in for build_server: carries the configuration it was given."""
+
+
+@pytest.mark.parametrize(("flags", "webui"), [([], True), (["--no-webui"], False)])
+def test_the_flag_reaches_the_configuration(monkeypatch, flags: list[str], webui: bool) -> None:
+    from server.startup import launch
+    from server.startup.cli import build_parser, serve
+
+    def capture(config, **_: object) -> None:
+        raise Built(config)
+
+    monkeypatch.setattr(launch, "build_server", capture)
+    with pytest.raises(Built) as built:
+        serve(build_parser().parse_args(["serve", *flags]))
+    assert built.value.args[0].webui is webui
 
 
 def test_loads_clean_and_lists_the_models(browser, live_server) -> None:
@@ -245,6 +264,22 @@ def test_hostile_output_runs_nothing(browser, live_server) -> None:
     links = [a.get_attribute("href") for a in answer.find_elements("css selector", "a")]
     assert links == []
     assert browser.execute_script("return typeof window.__x") == "undefined"
+    # The second wall: were the renderer ever to pass the markup on as HTML, the page's
+    # Content-Security-Policy still runs none of it (Chrome logs each refusal, and the 404
+    # of the image's `x`).
+    browser.execute_script(
+        "const box = document.createElement('div');"
+        "box.innerHTML = arguments[0];"
+        "document.body.append(box);"
+        "const s = document.createElement('script');"
+        "s.textContent = '__x = 4';"
+        "document.body.append(s);",
+        PAYLOAD,
+    )
+    time.sleep(0.3)  # the image's error event fires after the failed load
+    assert browser.execute_script("return typeof window.__x") == "undefined"
+    refusals = console_errors(browser)
+    assert any("Content Security Policy" in e["message"] for e in refusals), refusals
     set_settings(browser, schema="")
 
 
