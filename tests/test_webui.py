@@ -17,67 +17,25 @@ from selenium.webdriver import ActionChains, Keys
 
 from server.api import build_app
 from server.edge.metrics import ServerMetrics
-from tests.live_server import running_server
-from tests.webui_browser import DESKTOP, PHONE, console_errors, requested_urls
+from tests.live_server import engine_config, running_server
+from tests.webui_browser import (
+    DESKTOP,
+    PHONE,
+    console_errors,
+    current_messages,
+    fill,
+    new_chat,
+    open_page,
+    requested_urls,
+    send,
+    set_settings,
+    wait_answer,
+    wait_for,
+)
 
 PAGE_BUDGET_BYTES = 300_000
-BY_ID = "document.getElementById"
-ANSWER = "document.querySelector('.msg.assistant"
-MODELS_LISTED = "document.querySelectorAll('#model option').length"
 # Hostile markup, as a model could write it: each piece sets the flag if it ever runs.
 PAYLOAD = "<img src=x onerror=__x=1><script>__x=2</script>[go](javascript:__x=3)"
-
-
-def wait_for(browser, script: str, timeout_s: float = 60.0) -> object:
-    """Polls a JavaScript expression until it is truthy; returns its value."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = browser.execute_script(f"return {script};")
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for: {script}")
-
-
-def open_page(browser, base_url: str) -> None:
-    browser.get(f"{base_url}/")
-    wait_for(browser, f"{MODELS_LISTED} || document.getElementById('key-dialog').open")
-
-
-def fill(browser, element_id: str, value: object) -> None:
-    field = browser.find_element("id", element_id)
-    field.clear()
-    field.send_keys(str(value))
-
-
-def set_settings(browser, **values: object) -> None:
-    browser.find_element("id", "open-settings").click()
-    for element_id, value in values.items():
-        fill(browser, f"set-{element_id.replace('_', '-')}", value)
-    browser.find_element("id", "settings-save").click()
-    wait_for(browser, "!document.getElementById('settings').open")
-
-
-def send(browser, text: str) -> None:
-    browser.find_element("id", "prompt").send_keys(text + "\n")  # Enter sends
-
-
-def wait_answer(browser) -> None:
-    # The answer is complete once Send is back and its measurements are written.
-    wait_for(browser, f"!{BY_ID}('send').hidden && {ANSWER} .stats')?.textContent")
-
-
-def current_messages(browser) -> list[dict]:
-    return browser.execute_script(
-        "const id = JSON.parse(localStorage.getItem('llamaserve.current'));"
-        "const all = JSON.parse(localStorage.getItem('llamaserve.conversations'));"
-        "return all.find(c => c.id === id).messages;"
-    )
-
-
-def new_chat(browser) -> None:
-    browser.find_element("id", "new-chat").click()
-    wait_for(browser, "!document.querySelector('.msg')")
 
 
 def kv_usage(base_url: str) -> float:
@@ -187,7 +145,7 @@ def test_answer_streams_equals_greedy_and_survives_reload(
 
 
 def test_shift_enter_regenerate_and_edit_resend(browser, live_server) -> None:
-    new_chat(browser)
+    new_chat(browser, live_server.base_url)
     set_settings(browser, temperature=0, max_tokens=3)
     prompt = browser.find_element("id", "prompt")
     prompt.send_keys("Name a colour.")
@@ -216,7 +174,7 @@ def test_shift_enter_regenerate_and_edit_resend(browser, live_server) -> None:
 
 
 def test_stop_ends_the_stream_and_frees_the_kv_blocks(browser, live_server) -> None:
-    new_chat(browser)
+    new_chat(browser, live_server.base_url)
     set_settings(browser, max_tokens=800)
     send(browser, "Write a very long story about a dragon who learns to cook.")
     wait_for(browser, "document.querySelector('.msg.assistant .content')?.textContent.length > 0")
@@ -231,7 +189,7 @@ def test_stop_ends_the_stream_and_frees_the_kv_blocks(browser, live_server) -> N
 
 
 def test_server_errors_show_the_servers_message(browser, live_server) -> None:
-    new_chat(browser)
+    new_chat(browser, live_server.base_url)
     set_settings(browser, max_tokens=100_000)  # past the context: a 400
     send(browser, "Hello")
     wait_answer(browser)
@@ -251,8 +209,28 @@ def test_server_errors_show_the_servers_message(browser, live_server) -> None:
     assert all("400" in entry["message"] for entry in console_errors(browser))
 
 
+def test_a_busy_server_shows_its_503_and_a_retry(browser, ours_default) -> None:
+    # No room in the waiting queue: every request is turned away with 503 and Retry-After.
+    with running_server(ours_default, engine=engine_config(max_waiting=0)) as server:
+        body = {"messages": [{"role": "user", "content": "Hello"}], "stream": True}
+        refused = httpx.post(f"{server.v1}/chat/completions", json=body, timeout=30)
+        assert refused.status_code == 503
+        open_page(browser, server.base_url)
+        send(browser, "Hello")
+        wait_answer(browser)
+        shown = browser.find_element("css selector", ".msg.assistant .error").text
+        assert shown.startswith(refused.json()["error"]["message"])
+        assert f"retry in {refused.headers['retry-after']} s" in shown
+        retry = browser.find_element("css selector", ".msg.assistant .regenerate")
+        assert retry.text == "Retry"
+        retry.click()
+        wait_answer(browser)
+        assert len(browser.find_elements("css selector", ".msg.assistant")) == 1
+        assert all("503" in entry["message"] for entry in console_errors(browser))
+
+
 def test_hostile_output_runs_nothing(browser, live_server) -> None:
-    new_chat(browser)
+    new_chat(browser, live_server.base_url)
     schema = json.dumps({"type": "string", "const": PAYLOAD})
     set_settings(browser, max_tokens=120, schema=schema)
     send(browser, "Say something.")

@@ -1,13 +1,16 @@
 """A real headless Chromium (Debian's `chromium` and `chromium-driver`) driven by
 Selenium, for the chat page's tests: one browser for the whole session, its console and its
-network requests read back from Chrome's own logs. Where Chromium is missing the tests
-skip, except under CI (LLAMASERVE_REQUIRE_BROWSER=1, set by .ci/run), where they fail."""
+network requests read back from Chrome's own logs; and the steps the tests take on the page
+(open it, change settings, send, wait for the answer, read the stored conversation). Where
+Chromium is missing the tests skip, except under CI (LLAMASERVE_REQUIRE_BROWSER=1, set by
+.ci/run), where they fail."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +18,9 @@ import pytest
 
 DESKTOP = (1280, 800)
 PHONE = (390, 844)
+BY_ID = "document.getElementById"
+ANSWER = "document.querySelector('.msg.assistant"
+MODELS_LISTED = "document.querySelectorAll('#model option').length"
 
 
 def browser_binaries() -> tuple[str, str]:
@@ -79,3 +85,58 @@ def screenshot_dir(tmp_path_factory) -> Path:
     path = Path(chosen) if chosen else tmp_path_factory.mktemp("webui-screenshots")
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def wait_for(browser, script: str, timeout_s: float = 60.0) -> object:
+    """Polls a JavaScript expression until it is truthy; returns its value."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = browser.execute_script(f"return {script};")
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for: {script}")
+
+
+def open_page(browser, base_url: str) -> None:
+    browser.get(f"{base_url}/")
+    wait_for(browser, f"{MODELS_LISTED} || document.getElementById('key-dialog').open")
+
+
+def fill(browser, element_id: str, value: object) -> None:
+    field = browser.find_element("id", element_id)
+    field.clear()
+    field.send_keys(str(value))
+
+
+def set_settings(browser, **values: object) -> None:
+    browser.find_element("id", "open-settings").click()
+    for element_id, value in values.items():
+        fill(browser, f"set-{element_id.replace('_', '-')}", value)
+    browser.find_element("id", "settings-save").click()
+    wait_for(browser, "!document.getElementById('settings').open")
+
+
+def send(browser, text: str) -> None:
+    browser.find_element("id", "prompt").send_keys(text + "\n")  # Enter sends
+
+
+def wait_answer(browser) -> None:
+    # The answer is complete once Send is back and its measurements are written.
+    wait_for(browser, f"!{BY_ID}('send').hidden && {ANSWER} .stats')?.textContent")
+
+
+def current_messages(browser) -> list[dict]:
+    return browser.execute_script(
+        "const id = JSON.parse(localStorage.getItem('llamaserve.current'));"
+        "const all = JSON.parse(localStorage.getItem('llamaserve.conversations'));"
+        "return all.find(c => c.id === id).messages;"
+    )
+
+
+def new_chat(browser, base_url: str) -> None:
+    """An empty conversation on base_url's page (opened first if another is showing)."""
+    if not browser.current_url.startswith(f"{base_url}/"):
+        open_page(browser, base_url)
+    browser.find_element("id", "new-chat").click()
+    wait_for(browser, "!document.querySelector('.msg')")
