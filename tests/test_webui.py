@@ -13,7 +13,6 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
-from selenium.webdriver import ActionChains, Keys
 
 from server.api import build_app
 from server.edge.metrics import ServerMetrics
@@ -145,6 +144,8 @@ def test_answer_streams_equals_greedy_and_survives_reload(
 
 
 def test_shift_enter_regenerate_and_edit_resend(browser, live_server) -> None:
+    from selenium.webdriver import ActionChains, Keys  # where it is missing, `browser` skips
+
     new_chat(browser, live_server.base_url)
     set_settings(browser, temperature=0, max_tokens=3)
     prompt = browser.find_element("id", "prompt")
