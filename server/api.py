@@ -42,8 +42,8 @@ def build_app(
     guarded = [Depends(authorized)]
     app.include_router(openai_api.router, dependencies=guarded)
     app.include_router(adapters.router, dependencies=guarded)
-    # Open like `/`: the page itself holds no secret, and asks for the key the API wants.
-    # Included first, so that its `/` answers before the bare probe's of health_router.
+    # Open like /health: the page holds no secret and asks for the key the API wants.
+    # Included before health_router, so that its `/` wins over the bare probe answer there.
     if webui:
         app.include_router(page.router)
     app.include_router(monitoring.health_router)
