@@ -14,8 +14,13 @@ if not torch.cuda.is_available():
 os.environ["LLAMASERVE_TUNING_STORE"] = "off"
 
 # Shared fixtures: the real server for API tests; the tokenizers for tokenizer tests; the C
-# kernels' instruction level.
-pytest_plugins = ["tests.live_server", "tests.smollm2_fixtures", "tests.native_builds"]
+# kernels' instruction level; the headless browser for the chat page's tests.
+pytest_plugins = [
+    "tests.live_server",
+    "tests.smollm2_fixtures",
+    "tests.native_builds",
+    "tests.webui_browser",
+]
 
 # More BLAS threads than free cores makes every op wait at a barrier (tens of times
 # slower); LLAMASERVE_TEST_THREADS=1 when something else is busy on the machine.

@@ -1,6 +1,7 @@
 """What an orchestrator, a client's probe and a scraper read: `GET /health` (200 while the
 engine runs, 503 once it has died), `HEAD /` and `GET /` (Claude Code probes the server
-with `HEAD /` before its first request) and `GET /metrics` (the Prometheus text
+with `HEAD /` before its first request; the chat page, server/webui/, answers both instead
+unless --no-webui turns it off) and `GET /metrics` (the Prometheus text
 `ServerMetrics` renders). Two routers, as the app's assembly guards them differently:
 /health and / are always open, /metrics only when asked to be."""
 

@@ -119,6 +119,7 @@ def serve(args: argparse.Namespace) -> int:
             ),
         ),
         allowed_origins=args.allowed_origins,
+        webui=not args.no_webui,
         max_request_bytes=args.max_request_bytes,
         shutdown_grace_s=args.shutdown_grace,
         timeout_keep_alive_s=args.timeout_keep_alive,

@@ -86,6 +86,7 @@ class ServeConfig:
     lora_modules: dict[str, str] = field(default_factory=dict)
     engine: EngineConfig = field(default_factory=EngineConfig)
     allowed_origins: list[str] = field(default_factory=list)
+    webui: bool = True  # the chat page at `/` (server/webui/); --no-webui turns it off
     max_request_bytes: int = 8 * 2**20
     shutdown_grace_s: float = 10.0
     # What one connection may cost (server/edge/connections.py): an idle keep-alive connection

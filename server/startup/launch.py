@@ -176,7 +176,7 @@ def _serve(
     )
     if limits.max_loras and not embedding:
         state.adapters = adapter_registry(config, model.config, names[0])
-    app = build_app(state, metrics, config.allowed_origins)
+    app = build_app(state, metrics, config.allowed_origins, webui=config.webui)
     app.state.tensor_parallel = group
     url = f"http://{config.host}:{config.port}/v1"
 

@@ -73,6 +73,11 @@ def add_api_flags(p: argparse.ArgumentParser) -> None:
         "the parser the chat template calls for, none turns it off",
     )
     p.add_argument(
+        "--no-webui",
+        action="store_true",
+        help="do not serve the chat page at / (which then answers an empty 200, for probes)",
+    )
+    p.add_argument(
         "--metrics-require-api-key",
         action="store_true",
         help="guard /metrics with the API key too (default: open, for Prometheus)",
