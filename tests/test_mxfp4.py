@@ -1,0 +1,132 @@
+"""MXFP4 weights (model/checkpoint/mxfp4.py, model/quant/mxfp4.py): GGUF's blocks decode as
+the `gguf` package decodes them and HF's `*_blocks`/`*_scales` as transformers' own MXFP4
+code does; the C kernel at every instruction level this machine executes, and the Triton
+kernel under its interpreter, give the dequantised weight's product within fp32 rounding,
+each row the same alone as in any batch; a mixture of experts stored in MXFP4 loads into
+MXFP4 layers holding the file's bytes and gives the dequantised reference's logits."""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+
+from model.checkpoint.dequant import dequantize
+from model.checkpoint.file_blocks import FileBlocks
+from model.checkpoint.mxfp4 import dequantize_rows, hf_to_gguf_blocks, quantize_rows
+from model.loader import load_model
+from model.native.mxfp4 import NativeMxfp4Matmul
+from model.quant.mxfp4 import Mxfp4Linear
+from tests.native_builds import ISAS, library_at
+
+OUT, IN = 40, 320  # ten blocks a row; 40 columns: no multiple of any tile
+
+
+def random_blocks(rows: int, width: int, seed: int = 0, scales: tuple[int, int] = (112, 132)):
+    """GGUF MXFP4 bytes [rows, width / 32 * 17]: random nibbles, scale bytes in `scales`."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, width // 32, 17), dtype=torch.uint8, generator=g)
+    raw[..., 0] = torch.randint(*scales, (rows, width // 32), dtype=torch.uint8, generator=g)
+    return raw.reshape(rows, -1)
+
+
+def test_gguf_blocks_decode_and_encode_as_the_gguf_package() -> None:
+    raw = random_blocks(6, 256, scales=(0, 255))  # every scale byte but NaN's, subnormals too
+    want = gguf_dequantize(raw.numpy(), T.MXFP4).reshape(6, 256)
+    got = dequantize(raw.reshape(-1), T.MXFP4, (6, 256))
+    assert torch.equal(got, torch.from_numpy(np.ascontiguousarray(want)))
+    w = torch.randn(8, 128) * torch.logspace(-3, 2, 8).unsqueeze(1)
+    assert torch.equal(quantize_rows(w), torch.from_numpy(gguf_quantize(w.numpy(), T.MXFP4)))
+    # Values from MXFP4 blocks come back to blocks of the same values (a zero may change
+    # its sign nibble).
+    values = dequantize_rows(random_blocks(6, 256), 256)
+    assert torch.equal(dequantize_rows(quantize_rows(values), 256), values)
+
+
+def test_hf_blocks_decode_as_transformers() -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (3, 24, 4, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(100, 150, (3, 24, 4), dtype=torch.uint8, generator=g)
+    # transformers gives [experts, in, out] (gpt-oss multiplies x @ W); ours is [out, in].
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    got = dequantize_rows(hf_to_gguf_blocks(blocks, scales).reshape(3 * 24, -1), 128)
+    assert torch.equal(got.reshape(3, 24, 128), want)
+
+
+def bound(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """fp32 rounding of sums of IN products: a few IN ulps of the sum of magnitudes."""
+    return (x.double().abs() @ w.double().abs().T) * (IN * 2.0**-24) + 1e-30
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_c_kernel_gives_the_dequantised_product_row_by_row(isa: str) -> None:
+    kernel = NativeMxfp4Matmul(library_at(isa))
+    assert kernel.kind == {"avx2": "avx2", "portable": "portable"}.get(isa, kernel.kind)
+    raw = random_blocks(OUT, IN)
+    w = dequantize_rows(raw, IN)
+    x = torch.randn(11, IN, generator=torch.Generator().manual_seed(2))
+    got = kernel(x, raw, OUT)
+    assert ((got.double() - x.double() @ w.double().T).abs() <= bound(x, w)).all()
+    for rows in (1, 2, 3, 5, 11):  # blocks of 1 to 4 rows share a weight block's decoding
+        for start in range(0, 11 - rows + 1, rows):
+            alone = kernel(x[start : start + rows], raw, OUT)
+            assert torch.equal(alone, got[start : start + rows]), (rows, start)
+    # bf16 rows: widened exactly, each output rounded once.
+    xb = x.bfloat16()
+    assert torch.equal(kernel(xb, raw, OUT), kernel(xb.float(), raw, OUT).bfloat16())
+
+
+def test_the_triton_kernel_gives_the_dequantised_product() -> None:
+    pytest.importorskip("triton")
+    from model.quant.mxfp4_triton import mxfp4_matmul
+
+    raw = random_blocks(OUT, IN, seed=3)
+    w = dequantize_rows(raw, IN)
+    x = torch.randn(5, IN, generator=torch.Generator().manual_seed(4))  # fewer than a tile
+    got = mxfp4_matmul(x, raw, OUT)
+    assert ((got.double() - x.double() @ w.double().T).abs() <= bound(x, w)).all()
+    assert torch.equal(mxfp4_matmul(x[2:3], raw, OUT), got[2:3])
+
+
+def test_the_layer_holds_the_files_blocks_and_multiplies_them() -> None:
+    raw = random_blocks(OUT, IN, seed=5)
+    from_blocks, from_floats = (Mxfp4Linear(IN, OUT, "cpu", k) for k in ("native", "torch"))
+    from_blocks.load_rows(0, FileBlocks(raw, T.MXFP4, IN, torch.float32))
+    from_floats.load_rows(0, dequantize_rows(raw, IN))  # quantised back to the same blocks
+    assert torch.equal(from_blocks.weight_mxfp4, raw)
+    assert torch.equal(from_floats.dequantized(), from_blocks.dequantized())
+    x = torch.randn(3, 2, IN)
+    got, want = from_blocks(x), from_floats(x)  # the C kernel; PyTorch on the dequantised
+    assert got.shape == want.shape == (3, 2, OUT)
+    w = from_blocks.dequantized()
+    flat = x.reshape(-1, IN)
+    assert ((got.reshape(-1, OUT) - want.reshape(-1, OUT)).abs() <= 2 * bound(flat, w)).all()
+
+
+def test_mxfp4_experts_load_as_stored_and_give_the_dequantised_logits(tmp_path) -> None:
+    """Qwen3-MoE with its stacked experts written as MXFP4 by the gguf package: each expert
+    lands in an MXFP4 layer holding the file's own bytes, and the float32 model's logits
+    equal transformers' on the gguf package's dequantisation of the same file."""
+    from gguf import GGUFReader
+
+    from tests.test_families import hf_logits, prompts
+    from tests.test_moe import _dequantised_reference, model_logits
+    from tests.tiny_families import make_tiny, write_gguf
+
+    hf = make_tiny("qwen3_moe", tmp_path)
+    experts = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    types = {f"blk.{i}.{name}.weight": T.MXFP4 for i in (0, 2) for name in experts}
+    gguf = write_gguf(hf, "qwen3_moe", tmp_path, tmp_path / "mxfp4.gguf", types=types)
+    reference = _dequantised_reference(hf, gguf)
+    loaded = load_model(gguf, dtype=torch.float32, progress=False)
+    expert = loaded.model.layers[2].moe.experts[5]
+    assert isinstance(expert.down_proj, Mxfp4Linear)
+    assert isinstance(expert.gate_up_proj, Mxfp4Linear)
+    stack = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.2.ffn_down_exps.weight")
+    assert torch.equal(expert.down_proj.weight_mxfp4, torch.from_numpy(np.array(stack.data[5])))
+    for ids in prompts()[-2:]:
+        got = model_logits(loaded.model, ids)
+        assert (got - hf_logits(reference, ids)).abs().max().item() < 1e-4
