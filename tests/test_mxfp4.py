@@ -106,21 +106,30 @@ def test_the_layer_holds_the_files_blocks_and_multiplies_them() -> None:
     assert ((got.reshape(-1, OUT) - want.reshape(-1, OUT)).abs() <= 2 * bound(flat, w)).all()
 
 
-def test_mxfp4_experts_load_as_stored_and_give_the_dequantised_logits(tmp_path) -> None:
-    """Qwen3-MoE with its stacked experts written as MXFP4 by the gguf package: each expert
-    lands in an MXFP4 layer holding the file's own bytes, and the float32 model's logits
-    equal transformers' on the gguf package's dequantisation of the same file."""
+@pytest.fixture(scope="module")
+def mxfp4_moe(tmp_path_factory) -> tuple[torch.nn.Module, object]:
+    """A tiny Qwen3-MoE GGUF whose stacked experts the gguf package wrote as MXFP4, and
+    transformers on the gguf package's dequantisation of the same file."""
+    from tests.test_moe import _dequantised_reference
+    from tests.tiny_families import make_tiny, write_gguf
+
+    directory = tmp_path_factory.mktemp("mxfp4")
+    hf = make_tiny("qwen3_moe", directory)
+    experts = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+    types = {f"blk.{i}.{name}.weight": T.MXFP4 for i in (0, 2) for name in experts}
+    gguf = write_gguf(hf, "qwen3_moe", directory, directory / "mxfp4.gguf", types=types)
+    return _dequantised_reference(hf, gguf), gguf
+
+
+def test_mxfp4_experts_load_as_stored_and_give_the_dequantised_logits(mxfp4_moe) -> None:
+    """Each expert lands in an MXFP4 layer holding the file's own bytes, and the float32
+    model's logits equal the reference's."""
     from gguf import GGUFReader
 
     from tests.test_families import hf_logits, prompts
-    from tests.test_moe import _dequantised_reference, model_logits
-    from tests.tiny_families import make_tiny, write_gguf
+    from tests.test_moe import model_logits
 
-    hf = make_tiny("qwen3_moe", tmp_path)
-    experts = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
-    types = {f"blk.{i}.{name}.weight": T.MXFP4 for i in (0, 2) for name in experts}
-    gguf = write_gguf(hf, "qwen3_moe", tmp_path, tmp_path / "mxfp4.gguf", types=types)
-    reference = _dequantised_reference(hf, gguf)
+    reference, gguf = mxfp4_moe
     loaded = load_model(gguf, dtype=torch.float32, progress=False)
     expert = loaded.model.layers[2].moe.experts[5]
     assert isinstance(expert.down_proj, Mxfp4Linear)
@@ -130,3 +139,50 @@ def test_mxfp4_experts_load_as_stored_and_give_the_dequantised_logits(tmp_path) 
     for ids in prompts()[-2:]:
         got = model_logits(loaded.model, ids)
         assert (got - hf_logits(reference, ids)).abs().max().item() < 1e-4
+
+
+def test_mxfp4_experts_run_in_the_c_layers_expert_call(mxfp4_moe) -> None:
+    """In bf16 on the C attention the MXFP4 experts run in the experts' one C call (the
+    weights as the file holds them), near the reference within bf16's rounding."""
+    from tests.test_families import hf_logits, prompts
+    from tests.test_moe import model_logits
+
+    reference, gguf = mxfp4_moe
+    loaded = load_model(
+        gguf, dtype="bfloat16", quantization="int8g", progress=False, attention_backend="cpu_paged"
+    )
+    assert all(loaded.model.layers[i].moe.native is not None for i in (0, 2))
+    ids = prompts()[-1]
+    error = (model_logits(loaded.model, ids).float() - hf_logits(reference, ids)).abs()
+    assert error.mean(dim=1).median().item() < 0.05
+
+
+def test_an_hf_pair_of_blocks_and_scales_reads_as_mxfp4_rows(tmp_path) -> None:
+    """A safetensors file with gpt-oss's stacked `*_blocks`/`*_scales` pair (and a bf16
+    tensor beside it) reads as one MXFP4 FileBlocks per pair, never floats, whose rows
+    decode as transformers' MXFP4 code decodes the pair."""
+    from safetensors.torch import save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from model.checkpoint.hf_mxfp4 import join_mxfp4_pairs
+    from model.checkpoint.safetensors import iter_safetensors
+
+    g = torch.Generator().manual_seed(6)
+    prefix = "model.layers.0.mlp.experts.down_proj"
+    blocks = torch.randint(0, 256, (4, 64, 2, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(110, 130, (4, 64, 2), dtype=torch.uint8, generator=g)
+    norm = torch.randn(64).bfloat16()
+    tensors = {f"{prefix}_blocks": blocks, f"{prefix}_scales": scales, "model.norm.weight": norm}
+    save_file(tensors, tmp_path / "model.safetensors")
+    read = dict(
+        join_mxfp4_pairs(
+            iter_safetensors([tmp_path / "model.safetensors"], torch.float32), torch.float32
+        )
+    )
+    assert read.keys() == {prefix, "model.norm.weight"}
+    joined = read[prefix]
+    assert isinstance(joined, FileBlocks) and joined.shape == (4 * 64, 64)
+    want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
+    expert = 2
+    assert torch.equal(joined.rows(expert * 64, (expert + 1) * 64).dequantize(), want[expert])
+    assert torch.equal(read["model.norm.weight"], norm.float())
