@@ -67,13 +67,18 @@ def test_the_c_kernel_gives_the_dequantised_product_row_by_row(isa: str) -> None
     assert kernel.kind == {"avx2": "avx2", "portable": "portable"}.get(isa, kernel.kind)
     raw = random_blocks(OUT, IN)
     w = dequantize_rows(raw, IN)
-    x = torch.randn(11, IN, generator=torch.Generator().manual_seed(2))
+    g = torch.Generator().manual_seed(2)
+    # Values over many octaves, so that fp32 sums round and their order shows.
+    x = torch.randn(33, IN, generator=g) * torch.exp2(torch.randint(-12, 12, (33, IN), generator=g))
     got = kernel(x, raw, OUT)
     assert ((got.double() - x.double() @ w.double().T).abs() <= bound(x, w)).all()
-    for rows in (1, 2, 3, 5, 11):  # blocks of 1 to 4 rows share a weight block's decoding
-        for start in range(0, 11 - rows + 1, rows):
-            alone = kernel(x[start : start + rows], raw, OUT)
-            assert torch.equal(alone, got[start : start + rows]), (rows, start)
+    alone = [kernel(x[row : row + 1].clone(), raw, OUT)[0] for row in range(33)]
+    # Blocks of 1 to 4 rows share a weight block's decoding; from 21 rows the columns are
+    # shared among threads.
+    for rows in (2, 3, 4, 5, 7, 9, 33):
+        batch = kernel(x[:rows].clone(), raw, OUT)
+        for row in range(rows):
+            assert torch.equal(alone[row], batch[row]), (rows, row)
     # bf16 rows: widened exactly, each output rounded once.
     xb = x.bfloat16()
     assert torch.equal(kernel(xb, raw, OUT), kernel(xb.float(), raw, OUT).bfloat16())
