@@ -215,6 +215,6 @@ def _native_weight(proj: nn.Module) -> NativeWeight | None:
         return proj.weight_int5, proj.scales, INT5_A8 if proj.int8_activations else INT5
     if isinstance(proj, Int6Linear) and not proj.logits:
         return proj.weight_int6, proj.scales, INT6
-    if isinstance(proj, Mxfp4Linear) and proj.kernel == "native":
+    if isinstance(proj, Mxfp4Linear) and proj.on_c_kernel:
         return proj.weight_mxfp4, proj.weight_mxfp4, MXFP4  # the scales lie in the blocks
     return None

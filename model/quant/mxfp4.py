@@ -71,6 +71,12 @@ class Mxfp4Linear(QuantizedLinear):
             except NativeUnavailable:
                 self.kernel = "torch"
 
+    @property
+    def on_c_kernel(self) -> bool:
+        """Whether the products run on the C kernel (the C layer's and experts' calls may
+        then take the weight)."""
+        return self._native is not None
+
     def dequantized(self) -> torch.Tensor:
         """The weight as fp32 [out, in]: the reference's, and a test's."""
         return dequantize_rows(self.weight_mxfp4, self.in_features)
