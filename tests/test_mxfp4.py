@@ -191,3 +191,22 @@ def test_an_hf_pair_of_blocks_and_scales_reads_as_mxfp4_rows(tmp_path) -> None:
     expert = 2
     assert torch.equal(joined.rows(expert * 64, (expert + 1) * 64).dequantize(), want[expert])
     assert torch.equal(read["model.norm.weight"], norm.float())
+
+
+def test_an_hf_config_quantised_in_mxfp4_names_every_expert_layer(mxfp4_moe, tmp_path) -> None:
+    import json
+
+    from model.checkpoint.hf_mxfp4 import hf_mxfp4_linears
+    from model.config import ModelConfig
+
+    _, gguf = mxfp4_moe
+    config = json.loads((gguf.parent / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model_config = ModelConfig.from_hf_dir(tmp_path)
+    assert hf_mxfp4_linears(tmp_path, model_config) == frozenset()
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    keys = hf_mxfp4_linears(tmp_path, model_config)
+    assert len(keys) == 2 * 8 * 2  # two sparse layers (1 is dense), 8 experts, 2 layers each
+    assert "layers.2.moe.experts.7.down_proj" in keys
+    assert not any(k.startswith("layers.1.") for k in keys)
