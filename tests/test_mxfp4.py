@@ -126,18 +126,22 @@ def mxfp4_moe(tmp_path_factory) -> tuple[torch.nn.Module, object]:
     return _dequantised_reference(hf, gguf), gguf
 
 
-def test_mxfp4_experts_load_as_stored_and_give_the_dequantised_logits(mxfp4_moe) -> None:
+@pytest.mark.parametrize("cpu_kernels", ["auto", "torch"])
+def test_mxfp4_experts_load_as_stored_and_give_the_dequantised_logits(
+    mxfp4_moe, cpu_kernels
+) -> None:
     """Each expert lands in an MXFP4 layer holding the file's own bytes, and the float32
-    model's logits equal the reference's."""
+    model's logits equal the reference's, on the C kernel and on PyTorch's reference."""
     from gguf import GGUFReader
 
     from tests.test_families import hf_logits, prompts
     from tests.test_moe import model_logits
 
     reference, gguf = mxfp4_moe
-    loaded = load_model(gguf, dtype=torch.float32, progress=False)
+    loaded = load_model(gguf, dtype=torch.float32, progress=False, cpu_kernels=cpu_kernels)
     expert = loaded.model.layers[2].moe.experts[5]
     assert isinstance(expert.down_proj, Mxfp4Linear)
+    assert expert.down_proj.on_c_kernel == (cpu_kernels == "auto")
     assert isinstance(expert.gate_up_proj, Mxfp4Linear)
     stack = next(t for t in GGUFReader(gguf).tensors if t.name == "blk.2.ffn_down_exps.weight")
     assert torch.equal(expert.down_proj.weight_mxfp4, torch.from_numpy(np.array(stack.data[5])))
