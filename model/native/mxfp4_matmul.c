@@ -22,7 +22,8 @@
 
 #define MX_BLOCK 32
 #define MX_BYTES 17
-#define MX_ROWS 4 /* rows sharing a weight block's decoding */
+#define MX_ROWS 4   /* rows sharing a weight block's decoding */
+#define ROW_TILE 32 /* rows that pass every column while they stay in cache */
 
 static const float MX_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -141,25 +142,35 @@ static inline void column_rows(const float *x, int64_t x_stride, const uint8_t *
 
 const char *mxfp4_matmul_kind(void) { return MXFP4_KERNEL; }
 
+/* Rows first..end of x against one column's weight row, MX_ROWS at a time. */
+static void column(const float *x, int64_t x_stride, const uint8_t *wn, int64_t blocks,
+                   float *y, int64_t n_out, int64_t first, int64_t end) {
+    for (int64_t m0 = first; m0 < end; m0 += MX_ROWS) {
+        const float *xm = x + m0 * x_stride;
+        float *ym = y + m0 * n_out;
+        switch (end - m0 < MX_ROWS ? end - m0 : MX_ROWS) {
+        case 1: column_rows(xm, x_stride, wn, blocks, ym, n_out, 1); break;
+        case 2: column_rows(xm, x_stride, wn, blocks, ym, n_out, 2); break;
+        case 3: column_rows(xm, x_stride, wn, blocks, ym, n_out, 3); break;
+        default: column_rows(xm, x_stride, wn, blocks, ym, n_out, MX_ROWS);
+        }
+    }
+}
+
 /* x [rows, x_stride] fp32 (k contiguous); w [n_out, k / 32 * 17] GGUF MXFP4 blocks; y
  * [rows, n_out] fp32. k % 32 == 0, checked by the caller. Returns 0. */
 int mxfp4_matmul_f32(const float *x, int64_t x_stride, const uint8_t *w, float *y,
                      int64_t rows, int64_t n_out, int64_t k) {
     const int64_t blocks = k / MX_BLOCK, row_bytes = blocks * MX_BYTES;
-    /* Columns are shared among the threads: a column's weight row stays in cache while
-     * every row of x passes it. */
-#pragma omp parallel for schedule(static) if (rows * n_out * k >= (1 << 18))
-    for (int64_t n = 0; n < n_out; n++)
-        for (int64_t m0 = 0; m0 < rows; m0 += MX_ROWS) {
-            const float *xm = x + m0 * x_stride;
-            const uint8_t *wn = w + n * row_bytes;
-            float *ym = y + m0 * n_out + n;
-            switch (rows - m0 < MX_ROWS ? rows - m0 : MX_ROWS) {
-            case 1: column_rows(xm, x_stride, wn, blocks, ym, n_out, 1); break;
-            case 2: column_rows(xm, x_stride, wn, blocks, ym, n_out, 2); break;
-            case 3: column_rows(xm, x_stride, wn, blocks, ym, n_out, 3); break;
-            default: column_rows(xm, x_stride, wn, blocks, ym, n_out, MX_ROWS);
-            }
+    const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
+    /* A tile of x's rows (32 rows of 2880 fp32: 368 KB, within L2) passes every column's
+     * weight row, so a long prefill reads the weights once per tile rather than x once per
+     * column; a decode's one tile has its columns shared among the threads. */
+#pragma omp parallel for collapse(2) schedule(static) if (rows * n_out * k >= (1 << 18))
+    for (int64_t t = 0; t < tiles; t++)
+        for (int64_t n = 0; n < n_out; n++) {
+            const int64_t end = (t + 1) * ROW_TILE < rows ? (t + 1) * ROW_TILE : rows;
+            column(x, x_stride, w + n * row_bytes, blocks, y + n, n_out, t * ROW_TILE, end);
         }
     return 0;
 }
