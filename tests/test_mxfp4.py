@@ -94,6 +94,13 @@ def test_the_triton_kernel_gives_the_dequantised_product() -> None:
     got = mxfp4_matmul(x, raw, OUT)
     assert ((got.double() - x.double() @ w.double().T).abs() <= bound(x, w)).all()
     assert torch.equal(mxfp4_matmul(x[2:3], raw, OUT), got[2:3])
+    # bf16 rows: fp32 sums, each output rounded once to bf16 (to nearest on a GPU; the
+    # interpreter truncates, so within one bf16 step).
+    xb = x.bfloat16()
+    exact = xb.double() @ w.double().T
+    got = mxfp4_matmul(xb, raw, OUT)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-7 + bound(xb, w)).all()
 
 
 def test_the_layer_holds_the_files_blocks_and_multiplies_them() -> None:
