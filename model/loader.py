@@ -122,6 +122,7 @@ def checkpoint_facts(checkpoint: Checkpoint) -> CheckpointFacts:
         checkpoint.wide_linears,
         checkpoint.q5_0_linears,
         checkpoint.q6_k_linears,
+        checkpoint.mxfp4_linears,
         checkpoint.head_quantized,
         checkpoint.head_block_type,
     )

@@ -34,9 +34,10 @@ F16_FIELDS: dict[GGMLQuantizationType, tuple[int, ...]] = {
     T.F32: (),
     T.F16: (),
     T.BF16: (),
+    T.MXFP4: (),  # its E8M0 scale byte is set below
 }
 # Types gguf.quants can also quantise (its K-quants are dequantise-only).
-QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1]
+QUANTIZABLE = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.MXFP4]
 # Worst relative RMS error of a quantise/dequantise round trip on Gaussian data: a sanity
 # bound on the reference itself (far above what each format achieves, far below garbage).
 ROUND_TRIP_RMS = {T.F32: 0.0, T.F16: 1e-3, T.BF16: 5e-3, T.Q8_0: 0.02}
@@ -72,6 +73,8 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, blocks_per_row: int) -
         # Exponent 0x1F is inf/NaN: move those to exponent 0x1E, keeping subnormals and zeros.
         bits = np.where((bits & 0x7C00) == 0x7C00, bits & ~np.uint16(0x0400), bits)
         blocks[:, offset : offset + 2] = bits.astype("<u2").view(np.uint8).reshape(-1, 2)
+    if qtype == T.MXFP4:  # scales 2^-127 to 2^124: subnormal to near fp32's largest, finite
+        blocks[:, 0] = rng.integers(0, 252, size=blocks.shape[0], dtype=np.uint8)
     return blocks.reshape(rows, blocks_per_row * type_size)
 
 

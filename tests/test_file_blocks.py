@@ -18,6 +18,7 @@ from model.checkpoint.default_model import default_model_path
 from model.checkpoint.dequant import q4_grid, q5_0_grid, q6_k_grid, q8_0_grid
 from model.checkpoint.file_blocks import LAYER_BLOCK_TYPES, FileBlocks
 from model.checkpoint.gguf_weights import count_gguf_tensors, iter_gguf_weights
+from model.checkpoint.mxfp4 import decode_blocks
 from model.loader import load_model
 from model.network.llama import Llama
 from model.quant.factory import quantized_linear
@@ -25,12 +26,14 @@ from tests.test_dequant import F16_FIELDS, random_blocks
 
 # The layer format that holds each block type as it is.
 FORMAT = {T.Q4_0: "int4", T.Q4_1: "int4", T.Q4_K: "int4", T.Q5_0: "int5", T.Q6_K: "int6"}
-FORMAT[T.Q8_0] = "int8g"
+FORMAT[T.Q8_0], FORMAT[T.MXFP4] = "int8g", "mxfp4"
 TYPES = sorted(LAYER_BLOCK_TYPES, key=lambda t: t.value)
 
 
 def grid_values(blocks: torch.Tensor, qtype: T) -> torch.Tensor:
     """Each weight from the grid the block type states, [n_blocks, weights a block]."""
+    if qtype == T.MXFP4:  # held as it is: its values are its decoding's
+        return decode_blocks(blocks)
     if qtype == T.Q8_0:
         q, d = q8_0_grid(blocks)
         return q.float() * d.float()
@@ -68,6 +71,8 @@ def file_like_blocks(qtype: T, rows: int, width: int) -> np.ndarray:
         if qtype == T.Q4_K:  # its d and dmin multiply unsigned 6-bit scales and mins
             scale = np.abs(scale) / 32
         blocks[:, offset : offset + 2] = scale.astype("<f2").view(np.uint8).reshape(-1, 2)
+    if qtype == T.MXFP4:  # E8M0 scales 2^-10 to 2^-6
+        blocks[:, 0] = rng.integers(117, 122, len(blocks))
     return data
 
 

@@ -27,6 +27,7 @@ FORMATS = [
     ("w4a8", "native_a8", "int6"),
     ("int5", None, "w5a8"),
     ("int8g", None, "int4"),
+    ("mxfp4", None, "mxfp4"),  # gpt-oss's experts, the file's MXFP4 blocks as they are
 ]
 
 

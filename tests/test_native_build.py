@@ -10,6 +10,7 @@ import pytest
 
 from model.attention import attention_backend
 from model.native import build
+from model.native.mxfp4 import NativeMxfp4Matmul
 from model.native.ops import NativeInt4Matmul, NativeInt8Matmul
 from tests.native_builds import ISAS, library_at
 
@@ -48,6 +49,13 @@ def test_each_level_takes_its_own_matmul_loop(kernel: type) -> None:
     assert kinds.get("avx512", "avx2") == "avx2"  # x86-64-v4: AVX2, but no AVX-512 BF16
 
 
+def test_each_level_takes_its_own_mxfp4_loop() -> None:
+    kinds = {isa: NativeMxfp4Matmul(library_at(isa)).kind for isa in ISAS}
+    assert kinds.get("avx512", "avx512") == "avx512"  # AVX-512F's 16-entry vpermps
+    assert kinds.get("avx2", "avx2") == "avx2"
+    assert kinds.get("portable", "portable") == "portable"
+
+
 def test_an_unknown_level_is_refused_and_the_reference_serves(monkeypatch, caplog) -> None:
     monkeypatch.setenv(build.ISA_ENV, "avx9000")
     with pytest.raises(build.NativeUnavailable, match="choose one of native, avx512"):
@@ -83,7 +91,7 @@ def test_each_build_holds_only_its_levels_instructions(level: str) -> None:
         text=True,
         check=True,
     ).stdout
-    assert "paged_decode_bf16" in code
+    assert "paged_decode_bf16" in code and "mxfp4_matmul_f32" in code
     for register in FORBIDDEN[level]:
         assert f"%{register}" not in code, register
     if level == "avx2":

@@ -33,6 +33,8 @@ class Checkpoint(ABC):
     # their own formats).
     q5_0_linears: frozenset[str] = frozenset()
     q6_k_linears: frozenset[str] = frozenset()
+    # Linear layers whose every matrix is MXFP4: held so whatever the model's format.
+    mxfp4_linears: frozenset[str] = frozenset()
     # The output projection is stored in a block type of at most 8 bits (grouped int8 holds it).
     head_quantized: bool = False
     # Its GGUF block type ("Q6_K": int6 holds it exactly), or None.

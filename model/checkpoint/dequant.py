@@ -1,10 +1,11 @@
 """Turns the raw bytes of one GGUF tensor into a dense torch tensor.
 
 Owns the byte layouts of the ggml quantisation blocks we support (plain floats, the 32-weight
-legacy quants and the 256-weight K-quants) and nothing else: it does not read files, name
-tensors or permute rows. Every decoder is whole-tensor torch arithmetic, so it runs on
-whatever device the bytes are on; it must never loop over blocks in Python or round-trip
-through numpy, which would make loading slow and pin it to the CPU.
+legacy quants, the 256-weight K-quants; MXFP4's in model/checkpoint/mxfp4.py) and nothing
+else: it does not read files, name tensors or permute rows. Every decoder is whole-tensor
+torch arithmetic, so it runs on whatever device the bytes are on; it must never loop over
+blocks in Python or round-trip through numpy, which would make loading slow and pin it to
+the CPU.
 
 Values are computed in float32 with the same operation order as ggml's reference
 dequantisation (scale times quant, then add or subtract the offset, never fused), so the
@@ -18,6 +19,8 @@ from math import prod
 
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from model.checkpoint.mxfp4 import decode_blocks as _decode_mxfp4
 
 QK_K = 256  # weights per K-quant super-block
 
@@ -213,6 +216,7 @@ _BLOCK_DECODERS: dict[GGMLQuantizationType, Callable[[torch.Tensor], torch.Tenso
     GGMLQuantizationType.Q4_K: _decode_q4_k,
     GGMLQuantizationType.Q5_K: _decode_q5_k,
     GGMLQuantizationType.Q6_K: _decode_q6_k,
+    GGMLQuantizationType.MXFP4: _decode_mxfp4,
 }
 
 FLOAT_TYPES: dict[GGMLQuantizationType, torch.dtype] = {

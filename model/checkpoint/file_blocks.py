@@ -1,11 +1,11 @@
 """Rows of a GGUF matrix still in the file's quantisation blocks, handed to a quantised
 layer that holds their block type as it is: int4 a Q4_0, Q4_1 or Q4_K block (a scale and a
-minimum per group of 32), int5 a Q5_0 one, int6 a Q6_K one, grouped int8 a Q8_0 one. Such a
-layer reads the integers and scales from the bytes (`model/checkpoint/dequant.py`'s grids)
-instead of finding them again in dequantised floats: searching float32 copies for the
-grids the file states was about half of the 21-22 s Qwen2.5-Coder-1.5B's Q4_K_M took to
-load. Any other
-destination dequantises them (`dequantize`), as the loader did before."""
+minimum per group of 32), int5 a Q5_0 one, int6 a Q6_K one, grouped int8 a Q8_0 one,
+MXFP4's layer an MXFP4 one (as it stores them). Such a layer reads the integers and scales
+from the bytes (`model/checkpoint/dequant.py`'s grids) instead of finding them again in
+dequantised floats: searching float32 copies for the grids the file states was about half
+of the 21-22 s Qwen2.5-Coder-1.5B's Q4_K_M took to load. Any other destination
+dequantises them (`dequantize`), as the loader did before."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ from model.checkpoint.dequant import dequantize
 
 T = GGMLQuantizationType
 # The block types some quantised layer holds as they are.
-LAYER_BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0})
+LAYER_BLOCK_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0, T.Q6_K, T.Q8_0, T.MXFP4})
+# The block types a layer holds as they are whatever the model's format (MXFP4: gpt-oss's
+# experts, model/quant/mxfp4.py), never expanded to floats.
+HELD_BLOCK_TYPES = frozenset({T.MXFP4})
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ import torch
 from model.checkpoint.base import Checkpoint, Weights, named_tokenizer
 from model.checkpoint.default_model import DEFAULT_MODEL_NAME, default_model_path_or_none
 from model.checkpoint.dequant import FLOAT_TYPES
-from model.checkpoint.file_blocks import LAYER_BLOCK_TYPES
+from model.checkpoint.file_blocks import HELD_BLOCK_TYPES, LAYER_BLOCK_TYPES
 from model.checkpoint.gguf_file import open_gguf
 from model.checkpoint.gguf_weights import (
     check_tensor_types,
@@ -42,6 +42,7 @@ class GGUFCheckpoint(Checkpoint):
         self.wide_linears = wide_linears(self.gguf)
         self.q5_0_linears = linears_all_in(self.gguf, "Q5_0")
         self.q6_k_linears = linears_all_in(self.gguf, "Q6_K")
+        self.mxfp4_linears = linears_all_in(self.gguf, "MXFP4")
         self.head_quantized = output_quantized(self.gguf)
         self.head_block_type = output_block_type(self.gguf)
         self._handed_over: set[str] = set()  # by `packed_embedding`
@@ -53,7 +54,8 @@ class GGUFCheckpoint(Checkpoint):
         # The loader cuts a rank's slices from whole tensors, so under `tp` none comes in
         # blocks of rows, nor undecoded.
         blocks, skip = tp is None, frozenset(self._handed_over)
-        undecoded = LAYER_BLOCK_TYPES if file_blocks and tp is None else frozenset()
+        held = LAYER_BLOCK_TYPES if file_blocks else HELD_BLOCK_TYPES
+        undecoded = held if tp is None else frozenset()
         self.num_tensors = count_gguf_tensors(self.gguf, self.config, blocks, skip, undecoded)
         weights = iter_gguf_weights(
             self.gguf, self.config, dtype, row_blocks=blocks, skip=skip, file_blocks=undecoded

@@ -157,7 +157,7 @@ def check_tensor_types(gguf: GGUFFile) -> None:
 # and a zero or minimum per group) fits int4 exactly; 5 to 8 bits want int8.
 _TYPE_BITS = {
     "Q2_K": 2, "Q3_K": 3, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4,
-    "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8,
+    "Q5_0": 5, "Q5_1": 5, "Q5_K": 5, "Q6_K": 6, "Q8_0": 8, "MXFP4": 4,
 }  # fmt: skip
 _LINEAR_SUFFIXES = tuple(
     f"{name}.weight"

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from model.checkpoint.base import Checkpoint, Weights, named_tokenizer
+from model.checkpoint.hf_mxfp4 import hf_mxfp4_linears, join_mxfp4_pairs
 from model.checkpoint.safetensors import count_tensors, iter_safetensors, safetensors_files
 from model.config import ModelConfig
 from model.families import FAMILIES
@@ -25,13 +26,14 @@ class HFCheckpoint(Checkpoint):
         self.config = ModelConfig.from_hf_dir(path)
         self.files = safetensors_files(path)
         self.num_tensors = count_tensors(self.files)
+        self.mxfp4_linears = hf_mxfp4_linears(path, self.config)
 
     def weights(
         self, dtype: torch.dtype, tp: TensorParallel | None, file_blocks: bool = False
     ) -> tuple[Weights, bool]:
         # Each rank reads only its own slices from disk.
         cut = tp.cut(self.config) if tp is not None else None
-        tensors = iter_safetensors(self.files, dtype, cut=cut)
+        tensors = join_mxfp4_pairs(iter_safetensors(self.files, dtype, cut=cut), dtype)
         adapt = FAMILIES[self.config.architecture].adapt_hf
         return (adapt(name, tensor) for name, tensor in tensors), tp is not None
 

@@ -59,4 +59,5 @@ def iter_safetensors(
         with _open(file) as f:
             for name in f.keys():
                 tensor = cut(name, f.get_slice(name)) if cut else f.get_tensor(name)
-                yield name, tensor.to(dtype)
+                # uint8 is an MXFP4 pair's bytes (model/checkpoint/hf_mxfp4.py), kept so.
+                yield name, tensor if tensor.dtype == torch.uint8 else tensor.to(dtype)

@@ -1,5 +1,5 @@
 """Builds the C kernels beside this file (paged attention, RMSNorm, int4 matmuls with bf16
-or int8 activations, the 5-, 6- and 8-bit matmuls and the 6-bit grid finder, the decoder
+or int8 activations, the 5-, 6- and 8-bit and MXFP4 matmuls and the 6-bit grid finder, the decoder
 layer around attention, a mixture of experts' experts, greedy argmax) into one shared
 library for this machine, once, and loads it with ctypes.
 
@@ -45,6 +45,7 @@ SOURCES = (
     "int8_matmul.c",
     "decoder_layer.c",
     "moe_experts.c",
+    "mxfp4_matmul.c",
     "argmax.c",
 )
 HEADERS = (

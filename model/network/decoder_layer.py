@@ -26,6 +26,7 @@ from model.native.layer import (
     INT5_A8,
     INT6,
     INT8_GROUPS,
+    MXFP4,
     NativeDecoderLayer,
     NativeWeight,
 )
@@ -36,6 +37,7 @@ from model.quant.int4 import NATIVE_INT4_KERNELS, Int4Linear
 from model.quant.int5 import Int5Linear
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
+from model.quant.mxfp4 import Mxfp4Linear
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]
 RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
@@ -213,4 +215,6 @@ def _native_weight(proj: nn.Module) -> NativeWeight | None:
         return proj.weight_int5, proj.scales, INT5_A8 if proj.int8_activations else INT5
     if isinstance(proj, Int6Linear) and not proj.logits:
         return proj.weight_int6, proj.scales, INT6
+    if isinstance(proj, Mxfp4Linear) and proj.on_c_kernel:
+        return proj.weight_mxfp4, proj.weight_mxfp4, MXFP4  # the scales lie in the blocks
     return None

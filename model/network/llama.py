@@ -121,7 +121,7 @@ class Llama(nn.Module):
 
     def quantize_linears(
         self,
-        quantization: str,
+        quantization: str | None,
         layer_quantizations: LayerQuantizations | None = None,
         int4_kernels: Int4Kernels | None = None,
     ) -> None:
@@ -139,6 +139,8 @@ class Llama(nn.Module):
                 if isinstance(child, nn.Linear):
                     key = f"layers.{index}.{name}"
                     own = layer_quantizations.get(key, quantization)
+                    if own is None:  # a float model's layer: stays as it is
+                        continue
                     shape = (child.in_features, child.out_features)
                     kernel = int4_kernels.get((own, *shape))
                     owner, _, attr = name.rpartition(".")
@@ -184,7 +186,7 @@ class Llama(nn.Module):
         with `head_int6` int6, model/quant/int6.py)."""
         with skeleton():
             model = cls(config, max_position, device="meta", tp=tp)
-            if quantization is not None:
+            if quantization is not None or layer_quantizations:
                 model.quantize_linears(quantization, layer_quantizations, int4_kernels)
             if head_int8:
                 model.quantize_head(head_int6)

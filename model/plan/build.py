@@ -20,7 +20,7 @@ from model.plan.layer_formats import (
     layer_quantizations,
     linear_keys,
 )
-from model.plan.mode import check_mode, check_quantization
+from model.plan.mode import allows_native, check_mode, check_quantization
 from model.plan.weight_format import WeightFormat, resolve_weight_format
 
 
@@ -33,6 +33,7 @@ class CheckpointFacts:
     wide_linears: frozenset[str] = frozenset()  # stored in more than 4 bits
     q5_0_linears: frozenset[str] = frozenset()
     q6_k_linears: frozenset[str] = frozenset()
+    mxfp4_linears: frozenset[str] = frozenset()
     head_quantized: bool = False
     head_block_type: str | None = None
 
@@ -75,6 +76,7 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         flags.quantization == "auto",
         facts.q6_k_linears,
         mode,
+        facts.mxfp4_linears,
     )
     return KernelPlan(
         mode=mode,
@@ -92,14 +94,16 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
 def int4_kernels(
     mode: str, config: ModelConfig, fmt: WeightFormat, own: dict[str, str], device: torch.device
 ) -> Int4Kernels:
-    """The kernel of each int4 and w4a8 layer shape the model holds, every shape being
-    known from its config."""
+    """The kernel of each int4, w4a8 and mxfp4 layer shape the model holds, every shape
+    being known from its config."""
     kernels: Int4Kernels = {}
     for key in linear_keys(config):
         quantization = own.get(key, fmt.quantization)
         shape = key_shape(config, key)
         if (quantization, *shape) not in kernels:
             kernel = int4_format_kernel(mode, quantization, *shape, device)
+            if quantization == "mxfp4":  # the C kernel wherever it may run, untimed
+                kernel = "native" if allows_native(mode) else "torch"
             if kernel is not None:
                 kernels[(quantization, *shape)] = kernel
     return kernels

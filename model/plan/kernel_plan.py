@@ -27,7 +27,7 @@ from model.native.ops import NativeArgmax, NativeRmsNorm
 from model.plan.layer_formats import describe as describe_formats
 from model.plan.weight_format import WeightFormat
 
-Int4Kernels = dict[tuple[str, int, int], str]  # (int4 or w4a8, in, out) -> kernel
+Int4Kernels = dict[tuple[str, int, int], str]  # (int4, w4a8 or mxfp4, in, out) -> kernel
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class KernelPlan:
             level = isa() if self.mode != "torch" else "unused"
         except NativeUnavailable as exc:
             level = f"unavailable ({exc})"
-        int4 = sorted(set(self.int4_kernels.values()))
+        int4 = sorted({k for (fmt, *_), k in self.int4_kernels.items() if fmt != "mxfp4"})
         head = self.head or str(self.weight_format.dtype)
         c_layers = sum(getattr(layer, "native", None) is not None for layer in model.layers)
         return "; ".join(

@@ -42,13 +42,16 @@ def layer_quantizations(
     chosen: bool = True,
     q6_k: frozenset[str] = frozenset(),
     mode: str = "auto",
+    mxfp4: frozenset[str] = frozenset(),
 ) -> dict[str, str]:
     """The layers ('layers.3.down_proj') whose quantization is not `fmt.quantization`,
     with their own; `wide`: those stored in more than 4 bits, `q5_0` and `q6_k`: those all
     Q5_0 or all Q6_K; `chosen`: the format was `auto`'s choice (a quantization asked for by
     name is kept, but for w4a8's wider layers). In w4a8 Q5_0 layers take w5a8: their own
-    format, with the model's int8 activations."""
+    format, with the model's int8 activations. `mxfp4`: those all MXFP4, held as they are
+    in any format, on any device."""
     own = dict.fromkeys(wide, fmt.wide) if fmt.wide else {}
+    own.update(dict.fromkeys(mxfp4, "mxfp4"))
     native = device.type == "cpu" and allows_native(mode)
     int8_activations = fmt.quantization == "w4a8" and fmt.wide is not None
     if not ((chosen or int8_activations) and native and int4_fits(config)):
@@ -148,7 +151,9 @@ def describe(fmt: WeightFormat, layer_quantizations: dict[str, str], n_linears: 
     if not layer_quantizations:
         return fmt.describe()
     counts = Counter(layer_quantizations.values())
-    counts[fmt.quantization] += n_linears - len(layer_quantizations)
+    counts[fmt.quantization or str(fmt.dtype).removeprefix("torch.")] += n_linears - len(
+        layer_quantizations
+    )
     parts = [f"{name} ({n})" for name, n in sorted(counts.items()) if n]
     dtype = str(fmt.dtype).removeprefix("torch.")
     return f"{dtype} + {', '.join(parts)} linear layers"

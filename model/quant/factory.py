@@ -12,6 +12,7 @@ from model.quant.int5 import Int5Linear
 from model.quant.int6 import Int6Linear
 from model.quant.int8 import Int8Linear
 from model.quant.int8_group import Int8GroupLinear
+from model.quant.mxfp4 import Mxfp4Linear
 
 
 def quantized_linear(
@@ -26,8 +27,9 @@ def quantized_linear(
     where the CPU has AVX-512 VNNI and less exact. int5 and int6 (GGUF Q5_0's and Q6_K's own
     formats) are no choice of the flags: the loader takes them for Q5_0 and Q6_K layers
     (LAYER_ONLY_QUANTIZATIONS), and w5a8 (int5 with int8 activations) for Q5_0 layers of a
-    model in w4a8. int4_kernel: the kernel an int4 or w4a8 layer runs on, the kernel plan's
-    choice for its shape (model/plan/int4_kernel.py)."""
+    model in w4a8; mxfp4 for MXFP4 layers (gpt-oss's experts), held as stored.
+    int4_kernel: the kernel an int4, w4a8 or mxfp4 layer runs on, the kernel plan's choice
+    for its shape (model/plan/int4_kernel.py; build.py for mxfp4)."""
     if quantization == "int8":
         return Int8Linear(in_features, out_features, device)
     if quantization == "int8g":
@@ -36,6 +38,8 @@ def quantized_linear(
         return Int5Linear(in_features, out_features, device, quantization == "w5a8")
     if quantization == "int6":
         return Int6Linear(in_features, out_features, device)
+    if quantization == "mxfp4":
+        return Mxfp4Linear(in_features, out_features, device, int4_kernel)
     if quantization == "int4":
         return Int4Linear(
             in_features, out_features, device, int4_kernel, allowed=BF16_ACTIVATION_KERNELS
