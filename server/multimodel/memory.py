@@ -17,7 +17,7 @@ from pathlib import Path
 
 from model.checkpoint.pypi_models import PYPI_MODELS
 from model.encoder.checkpoint import is_encoder_dir
-from scheduler.runner.kv_capacity import DEFAULT_CPU_KV_BYTES
+from scheduler import DEFAULT_CPU_KV_BYTES
 from server.startup.memory_size import parse_memory_size
 
 # A `llamaserve serve` process with torch imported and nothing loaded, measured on the
