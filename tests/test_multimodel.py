@@ -34,6 +34,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM
 
 from bench.servers import free_port, running
+from tests.test_dashboard import dashboard_exprs
 from tests.test_embedding_models import reference, write_tiny_bert
 from tests.test_tensor_parallel_server import children
 from tests.tiny_families import make_tiny
@@ -194,6 +195,11 @@ def test_interleaved_requests_answer_as_transformers_with_lru_reloads(front, che
     assert metrics[("llamaserve:model_loads_total", "qwen")] == 1
     assert metrics[("llamaserve:model_loaded", "bert")] == 1
     assert metrics[("llamaserve:model_memory_bytes", "llama")] > 50e6
+    assert metrics[("llamaserve:model_memory_bytes", "qwen")] == 0
+    # The dashboard's per-model panels read these, with the labels they select on.
+    for _, expr in dashboard_exprs(front=True):
+        for name in re.findall(r"llamaserve:\w+", expr):
+            assert (name, "llama") in metrics, expr
     # The models' own series, each under its own name.
     assert ("llamaserve:prompt_tokens_total", "qwen") not in metrics  # its process is gone
     assert metrics[("llamaserve:prompt_tokens_total", "llama")] == expected["llama"][0]

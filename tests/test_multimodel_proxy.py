@@ -6,7 +6,8 @@ how each stream ended. Both servers run in threads on loopback ports; no model l
   server then aborts the request and frees its KV blocks);
 - a model server that dies mid-stream ends the client's stream with an error event;
 - every route is forwarded with its path, query and body, and the model server's key
-  replaces the client's.
+  replaces the client's;
+- the pool unloads a model idle for --idle-unload-s, never one with a request in flight.
 """
 
 import asyncio
@@ -162,3 +163,27 @@ def test_a_model_server_that_dies_mid_stream_ends_it_with_an_error_event(front) 
     assert error["code"] == "model_failed" and "`m`" in error["message"]
     assert len(events) == 4
     assert pool.entries["m"].in_flight == 0
+
+
+def test_an_idle_model_is_unloaded_and_a_busy_one_kept() -> None:
+    async def scenario() -> tuple[str, str, bool, bool]:
+        specs = [ModelSpec("idle", "/nowhere"), ModelSpec("busy", "/nowhere")]
+        pool = ModelPool(specs, PoolSettings(memory_budget_bytes=2**40, idle_unload_s=0.2))
+        processes = {}
+        for name, entry in pool.entries.items():
+            processes[name] = FakeProcess("http://127.0.0.1:1")
+            entry.status, entry.process, entry.last_used = "loaded", processes[name], 0.0
+        pool.entries["busy"].in_flight = 1
+        await pool.start()
+        await asyncio.sleep(0.6)
+        result = (
+            pool.entries["idle"].status,
+            pool.entries["busy"].status,
+            processes["idle"].stopping,
+            processes["busy"].stopping,
+        )
+        pool.entries["busy"].in_flight = 0
+        await pool.close()
+        return result
+
+    assert asyncio.run(scenario()) == ("unloaded", "loaded", True, False)
