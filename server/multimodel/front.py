@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from server.edge.errors import APIError, install_error_handlers
@@ -51,6 +52,7 @@ def build_front(
     api_keys: list[str],
     max_request_bytes: int = 8 * 2**20,
     metrics_require_api_key: bool = False,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     # No read timeout: a long generation streams for as long as it takes.
     client = httpx.AsyncClient(
@@ -72,6 +74,13 @@ def build_front(
     app = FastAPI(title="llamaserve", version="0.1.0", lifespan=lifespan)
     app.state.pool = pool
     install_error_handlers(app)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     app.add_middleware(RequestContext)
 

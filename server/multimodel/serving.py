@@ -59,7 +59,9 @@ def serve_models(
         stop_grace_s=args.shutdown_grace,
     )
     pool = ModelPool(list(catalog.models.values()), settings)
-    app = build_front(pool, api_keys, args.max_request_bytes, args.metrics_require_api_key)
+    app = build_front(
+        pool, api_keys, args.max_request_bytes, args.metrics_require_api_key, args.allowed_origins
+    )
     logger.info(
         "serving %d models (%s) at http://%s:%d/v1; memory budget %.2f GiB",
         len(catalog.models),
