@@ -85,11 +85,16 @@ async def forward(request: Request, pool: ModelPool, client: httpx.AsyncClient) 
         upstream = await client.send(
             client.build_request(request.method, url, headers=headers, content=body), stream=True
         )
-    except httpx.HTTPError as exc:
-        pool.release(name)
+    except BaseException as exc:
+        pool.release(name)  # also when the request is cancelled while it waits
+        if not isinstance(exc, httpx.HTTPError):
+            raise
         logger.error("request %s: model %s: %r", request.state.request_id, name, exc)
         raise APIError(
-            503, f"the model `{name}` is not answering; try again", "model", code="model_failed"
+            503,
+            f"the model `{name}` failed before answering: its process stopped responding",
+            "model",
+            code="model_failed",
         ) from None
     events = upstream.headers.get("content-type", "").startswith("text/event-stream")
 
