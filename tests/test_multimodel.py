@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -157,6 +158,10 @@ def test_unknown_and_missing_models_are_client_errors(front) -> None:
     assert r.json()["error"]["code"] == "model_not_found" and r.json()["error"]["param"] == "model"
     r = httpx.post(f"{base}/v1/completions", json={"prompt": "x"}, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    # Anthropic's route answers in Anthropic's shape, before any model loads.
+    r = httpx.post(f"{base}/v1/messages", json={"model": "nope", "max_tokens": 1}, headers=AUTH)
+    assert r.status_code == 404 and r.json()["type"] == "error"
+    assert r.json()["error"]["type"] == "not_found_error"
     assert httpx.post(f"{base}/v1/completions", json={"model": "llama"}).status_code == 401
     assert httpx.post(f"{base}/models/unload", json={"model": "llama"}).status_code == 401
 
@@ -225,7 +230,8 @@ def total_rss(pid: int) -> int:
     return total
 
 
-def test_unloading_returns_the_memory(front) -> None:
+def test_unloading_returns_the_memory(front, checkpoints) -> None:
+    """qwen is loaded by hand, answers the `openai` client, and is unloaded by hand."""
     base, pid = front.base_url, front.process.pid
     assert httpx.post(f"{base}/models/unload", json={"model": "bert"}, headers=AUTH).json()[
         "success"
@@ -235,6 +241,13 @@ def test_unloading_returns_the_memory(front) -> None:
     assert r.status_code == 200 and r.json()["status"] == "loaded"
     loaded = total_rss(pid)
     assert loaded > before + 50e6  # a model's process is there
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0)
+    assert {m.id for m in client.models.list()} == {"llama", "qwen", "bert", "broken", "huge"}
+    reply = client.completions.create(
+        model="qwen", prompt=PROMPTS["qwen"], max_tokens=MAX_TOKENS, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert reply.choices[0].text == greedy_reference(checkpoints / "qwen", PROMPTS["qwen"])[1]
     httpx.post(f"{base}/models/unload", json={"model": "qwen"}, headers=AUTH, timeout=60)
     after = total_rss(pid)
     assert abs(after - before) <= 0.1 * before, (before, loaded, after)

@@ -20,13 +20,13 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
-from server.edge.errors import APIError, install_error_handlers
+from server.edge.errors import install_error_handlers
 from server.edge.metrics import CONTENT_TYPE
 from server.edge.middleware import BodyLimit, RequestContext
 from server.multimodel.front_metrics import FrontMetrics
 from server.multimodel.memory import rss_bytes
 from server.multimodel.pool import ModelPool, ModelUnavailable
-from server.multimodel.proxy import forward, requested_model
+from server.multimodel.proxy import forward, known_model, unavailable
 from server.routes.guards import check_api_key
 
 
@@ -105,32 +105,29 @@ def build_front(
     async def models() -> dict[str, Any]:
         return {"object": "list", "data": [model_card(pool, n, created) for n in pool.entries]}
 
-    def known(request_body: bytes) -> str:
-        name = requested_model(request_body)
-        if name not in pool.entries:
-            raise APIError(
-                404, f"the model `{name[:200]}` does not exist", "model", code="model_not_found"
-            )
-        return name
-
-    @app.post("/models/load", dependencies=guard)
-    async def load(request: Request) -> dict[str, Any]:
-        name = known(await request.body())
-        try:
-            await pool.acquire(name, count=False)
-        except ModelUnavailable as exc:
-            retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
-            raise APIError(503, str(exc), "model", code=exc.code, headers=retry) from None
-        return {"success": True, **model_card(pool, name, created)}
-
-    @app.post("/models/unload", dependencies=guard)
-    async def unload(request: Request) -> dict[str, Any]:
-        name = known(await request.body())
-        await pool.unload(name)
-        return {"success": True, **model_card(pool, name, created)}
+    add_model_routes(app, pool, guard, created)
 
     @app.post("/{path:path}", dependencies=guard)
     async def proxied(request: Request, path: str) -> Response:
         return await forward(request, pool, client)
 
     return app
+
+
+def add_model_routes(app: FastAPI, pool: ModelPool, guard: list[Any], created: int) -> None:
+    """llama-server's `POST /models/load` and `/models/unload`, body `{"model": NAME}`."""
+
+    @app.post("/models/load", dependencies=guard)
+    async def load(request: Request) -> dict[str, Any]:
+        name = known_model(await request.body(), pool)
+        try:
+            await pool.acquire(name, count=False)
+        except ModelUnavailable as exc:
+            raise unavailable(exc) from None
+        return {"success": True, **model_card(pool, name, created)}
+
+    @app.post("/models/unload", dependencies=guard)
+    async def unload(request: Request) -> dict[str, Any]:
+        name = known_model(await request.body(), pool)
+        await pool.unload(name)
+        return {"success": True, **model_card(pool, name, created)}

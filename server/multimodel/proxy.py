@@ -64,18 +64,27 @@ class ProxiedStream(StreamingResponse):
             await self._on_close()
 
 
-async def forward(request: Request, pool: ModelPool, client: httpx.AsyncClient) -> ProxiedStream:
-    body = await request.body()
+def known_model(body: bytes, pool: ModelPool) -> str:
     name = requested_model(body)
     if name not in pool.entries:
         raise APIError(
             404, f"the model `{name[:200]}` does not exist", "model", code="model_not_found"
         )
+    return name
+
+
+def unavailable(exc: ModelUnavailable) -> APIError:
+    retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
+    return APIError(503, str(exc), "model", code=exc.code, headers=retry)
+
+
+async def forward(request: Request, pool: ModelPool, client: httpx.AsyncClient) -> ProxiedStream:
+    body = await request.body()
+    name = known_model(body, pool)
     try:
         process = await pool.acquire(name)
     except ModelUnavailable as exc:
-        retry = {"Retry-After": str(exc.retry_after_s)} if exc.retry_after_s else None
-        raise APIError(503, str(exc), "model", code=exc.code, headers=retry) from None
+        raise unavailable(exc) from None
     headers = {k: v for k, v in request.headers.items() if k.lower() not in _REQUEST_DROPPED}
     headers["authorization"] = f"Bearer {process.key}"
     headers["x-request-id"] = request.state.request_id
