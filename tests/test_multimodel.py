@@ -31,15 +31,16 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from tokenizers import Tokenizer
-from transformers import AutoModelForCausalLM
 
 from bench.servers import free_port, running
+from tests.several_models import (
+    greedy_reference,
+    model_pid,
+    reference_embedding,
+    total_rss,
+    write_model_set,
+)
 from tests.test_dashboard import dashboard_exprs
-from tests.test_embedding_models import reference, write_tiny_bert
-from tests.test_tensor_parallel_server import children
-from tests.tiny_families import make_tiny
-from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 
 KEY = "multimodel-key"
 AUTH = {"authorization": f"Bearer {KEY}"}
@@ -64,20 +65,7 @@ flags = { kv-cache-memory = "64GiB" }
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("several_models")
-    for name in ("llama", "qwen", "bert", "broken"):
-        (root / name).mkdir()
-    make_tiny_llama(root / "llama")
-    write_tiny_tokenizer(root / "llama")
-    # Another family and a smaller vocabulary: the same prompt has other token ids and
-    # another count, and an id of one model is no token of the other.
-    make_tiny("qwen2", root / "qwen", vocab_size=300)
-    write_tiny_tokenizer(root / "qwen", vocab_size=300)
-    write_tiny_bert(root / "bert", "mean", True)
-    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
-        (root / "broken" / name).write_bytes((root / "llama" / name).read_bytes())
-    (root / "broken" / "model.safetensors").write_bytes(
-        b"\x08\x00\x00\x00\x00\x00\x00\x00{}garbage"
-    )
+    write_model_set(root)
     (root / "models.toml").write_text(CONFIG)
     return root
 
@@ -95,18 +83,6 @@ def front(checkpoints):
     ]  # fmt: skip
     with running("front", command, port, checkpoints / "front.log") as started:
         yield started
-
-
-def greedy_reference(directory: Path, prompt: str) -> tuple[int, str]:
-    """Prompt token count and greedy continuation by transformers and `tokenizers`."""
-    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
-    ids = tok.encode(prompt).ids
-    out = list(ids)
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            out.append(int(model(torch.tensor([out])).logits[0, -1].argmax()))
-    return len(ids), tok.decode(out[len(ids) :], skip_special_tokens=False)
 
 
 def statuses(base: str) -> dict[str, dict]:
@@ -168,7 +144,7 @@ def test_unknown_and_missing_models_are_client_errors(front) -> None:
 
 def test_interleaved_requests_answer_as_transformers_with_lru_reloads(front, checkpoints) -> None:
     base = front.base_url
-    expected = {m: greedy_reference(checkpoints / m, PROMPTS[m]) for m in PROMPTS}
+    expected = {m: greedy_reference(checkpoints / m, PROMPTS[m], MAX_TOKENS) for m in PROMPTS}
     bert = reference_embedding(checkpoints / "bert", "the cat sat on the mat")
 
     async def scenario() -> None:
@@ -210,26 +186,6 @@ def test_interleaved_requests_answer_as_transformers_with_lru_reloads(front, che
     assert metrics[("llamaserve:prompt_tokens_total", "llama")] == expected["llama"][0]
 
 
-def reference_embedding(directory: Path, text: str) -> torch.Tensor:
-    from transformers import BertModel
-
-    tok = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    tok.no_padding()
-    model = BertModel.from_pretrained(directory).eval()
-    return reference(model, [tok.encode(text).ids], "mean", True)[0]
-
-
-def total_rss(pid: int) -> int:
-    total = 0
-    for p in [pid, *children(pid)]:
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-        except FileNotFoundError:
-            continue
-        total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) * 1024
-    return total
-
-
 def test_unloading_returns_the_memory(front, checkpoints) -> None:
     """qwen is loaded by hand, answers the `openai` client, and is unloaded by hand."""
     base, pid = front.base_url, front.process.pid
@@ -247,18 +203,13 @@ def test_unloading_returns_the_memory(front, checkpoints) -> None:
         model="qwen", prompt=PROMPTS["qwen"], max_tokens=MAX_TOKENS, temperature=0,
         extra_body={"ignore_eos": True},
     )  # fmt: skip
-    assert reply.choices[0].text == greedy_reference(checkpoints / "qwen", PROMPTS["qwen"])[1]
+    assert (
+        reply.choices[0].text
+        == greedy_reference(checkpoints / "qwen", PROMPTS["qwen"], MAX_TOKENS)[1]
+    )
     httpx.post(f"{base}/models/unload", json={"model": "qwen"}, headers=AUTH, timeout=60)
     after = total_rss(pid)
     assert abs(after - before) <= 0.1 * before, (before, loaded, after)
-
-
-def model_pid(front_pid: int, name: str) -> int:
-    for pid in children(front_pid):
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if argv[argv.index(b"--served-model-name") + 1] == name.encode():
-            return pid
-    raise AssertionError(f"no process serves {name}")
 
 
 def wait_status(base: str, name: str, status: str, timeout_s: float = 30) -> dict:
@@ -274,7 +225,7 @@ def test_a_killed_model_fails_alone(front, checkpoints) -> None:
     clear error while qwen loads and answers; /v1/models says why. (The next request
     loads it again: the next test's.)"""
     base = front.base_url
-    expected = {"qwen": greedy_reference(checkpoints / "qwen", PROMPTS["qwen"])[1]}
+    expected = {"qwen": greedy_reference(checkpoints / "qwen", PROMPTS["qwen"], MAX_TOKENS)[1]}
     victim = model_pid(front.process.pid, "llama")
     os.kill(victim, signal.SIGSTOP)
 
@@ -301,7 +252,7 @@ def test_a_killed_model_fails_alone(front, checkpoints) -> None:
 def test_a_corrupt_file_fails_its_model_while_another_streams(front, checkpoints) -> None:
     """The failed llama loads again beside the corrupt model's failing load."""
     base = front.base_url
-    expected = greedy_reference(checkpoints / "llama", PROMPTS["llama"])[1]
+    expected = greedy_reference(checkpoints / "llama", PROMPTS["llama"], MAX_TOKENS)[1]
 
     async def scenario() -> tuple[httpx.Response, list[str]]:
         async with httpx.AsyncClient(timeout=120) as client:
