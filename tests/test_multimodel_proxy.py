@@ -7,7 +7,8 @@ how each stream ended. Both servers run in threads on loopback ports; no model l
 - a model server that dies mid-stream ends the client's stream with an error event;
 - every route is forwarded with its path, query and body, and the model server's key
   replaces the client's;
-- the pool unloads a model idle for --idle-unload-s, never one with a request in flight.
+- the pool unloads a model idle for --idle-unload-s, never one with a request in flight;
+  it loads `load_at_start` models at start, and five first requests start one process.
 """
 
 import asyncio
@@ -187,3 +188,43 @@ def test_an_idle_model_is_unloaded_and_a_busy_one_kept() -> None:
         return result
 
     assert asyncio.run(scenario()) == ("unloaded", "loaded", True, False)
+
+
+class StartedProcess(FakeProcess):
+    """Stands in for a model's process: its start takes a moment and is counted."""
+
+    starts = 0
+
+    def __init__(self, name: str, argv: list[str]) -> None:
+        super().__init__("http://127.0.0.1:1")
+        self.argv = argv
+
+    async def start(self, timeout_s: float) -> None:
+        type(self).starts += 1
+        await asyncio.sleep(0.1)
+
+    async def exit_reason(self) -> str:
+        await asyncio.Event().wait()  # never exits by itself
+        return ""
+
+
+def test_load_at_start_and_concurrent_first_requests_start_one_process(monkeypatch) -> None:
+    monkeypatch.setattr("server.multimodel.pool.ModelProcess", StartedProcess)
+    specs = [ModelSpec("early", "/nowhere", load_at_start=True), ModelSpec("late", "/nowhere")]
+
+    async def scenario() -> tuple[dict[str, str], int, tuple[str, ...]]:
+        pool = ModelPool(
+            specs, PoolSettings(shared_flags=("--threads", "1"), memory_budget_bytes=2**40)
+        )
+        await pool.start()
+        after_start = {n: e.status for n, e in pool.entries.items()}
+        await asyncio.gather(*(pool.acquire("late") for _ in range(5)))
+        argv = pool.entries["late"].process.argv
+        in_flight = pool.entries["late"].in_flight
+        await pool.close()
+        return after_start, in_flight, argv
+
+    after_start, in_flight, argv = asyncio.run(scenario())
+    assert after_start == {"early": "loaded", "late": "unloaded"}
+    assert StartedProcess.starts == 2 and in_flight == 5
+    assert argv == ("serve", "/nowhere", "--threads", "1", "--served-model-name", "late")
