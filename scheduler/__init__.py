@@ -20,7 +20,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from scheduler.config import EngineConfig, EngineConfigError, QueueFull, SchedulerConfig
+from scheduler.config import (
+    DEFAULT_CPU_KV_BYTES,
+    EngineConfig,
+    EngineConfigError,
+    QueueFull,
+    SchedulerConfig,
+)
 from scheduler.engine.async_engine import AsyncEngine, EngineDead, RequestStream
 from scheduler.engine.engine import Engine
 from scheduler.engine.pooling_engine import PoolingEngine, PoolingParams
@@ -45,6 +51,7 @@ if TYPE_CHECKING:
     from scheduler.runner.rank_process import WorkerSpec, serve_steps
 
 __all__ = [
+    "DEFAULT_CPU_KV_BYTES",
     "ROW_FIELDS",
     "AsyncEngine",
     "CrossEncoderRunner",

@@ -16,6 +16,10 @@ class EngineConfigError(ValueError):
     """An engine setting this model or device cannot honour; one sentence the CLI prints."""
 
 
+# The KV cache a CPU server allocates when --kv-cache-memory is not given.
+DEFAULT_CPU_KV_BYTES = 2 * 2**30
+
+
 @dataclass
 class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context length

@@ -312,14 +312,24 @@ def needs_router(expr: str) -> bool:
     return "vllm_router_" in expr
 
 
-def dashboard_exprs(router: bool = False) -> list[tuple[str, str]]:
-    """(panel title, PromQL) of every target of every panel: those that read llamaserve's
-    metrics, or with `router` those that read vllm-router's."""
+# What only the front of a several-model server exports (server/multimodel/front_metrics.py);
+# tests/test_multimodel.py checks those panels' metrics against a live front.
+FRONT_METRICS = ("llamaserve:model_loaded", "llamaserve:model_memory_bytes")
+
+
+def needs_front(expr: str) -> bool:
+    return any(re.search(rf"{name}\b", expr) for name in FRONT_METRICS)
+
+
+def dashboard_exprs(router: bool = False, front: bool = False) -> list[tuple[str, str]]:
+    """(panel title, PromQL) of every target of every panel: those that read one llamaserve
+    server's metrics, or with `router` those that read vllm-router's, or with `front` those
+    that read the several-model front's own."""
     return [
         (panel["title"], t["expr"])
         for panel in panels()
         for t in panel.get("targets", [])
-        if needs_router(t["expr"]) == router
+        if needs_router(t["expr"]) == router and needs_front(t["expr"]) == front
     ]
 
 

@@ -14,11 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from model.config import ModelConfig
-from scheduler.config import EngineConfig, EngineConfigError
+from scheduler.config import DEFAULT_CPU_KV_BYTES, EngineConfig, EngineConfigError
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_CPU_KV_BYTES = 2 * 2**30
 
 
 def kv_bytes_per_block(

@@ -14,7 +14,11 @@ from server.state import ServerState, served_state
 
 def authorized(request: Request) -> None:
     """Lets the request through when no key is configured or it bears one of the keys."""
-    keys = [key.encode() for key in served_state(request).api_keys]
+    check_api_key(request, served_state(request).api_keys)
+
+
+def check_api_key(request: Request, api_keys: list[str]) -> None:
+    keys = [key.encode() for key in api_keys]
     if not keys:
         return
     header = request.headers.get("authorization", "")

@@ -20,6 +20,7 @@ import torch
 
 from scheduler import EngineConfig, SpeculativeConfig, SpeculativeConfigError
 from server.startup.flags import UsageError, add_model_flags, model_settings
+from server.startup.multimodel_flags import add_multimodel_flags, serves_several
 from server.startup.parallel_flags import add_parallel_flags
 from server.startup.serve_flags import add_serve_flags
 
@@ -35,7 +36,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_model_flags(gen)
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    add_serve_arguments(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
+
+    tune = sub.add_parser(
+        "tune", help="measure the start-up choices again and store them for the next serve"
+    )
+    tune.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="as for serve")
+    add_model_flags(tune)
+    tune.add_argument(
+        "--max-model-len", type=int, default=None, help="as for serve (it bounds the probes)"
+    )
+    return parser
+
+
+def add_serve_arguments(serve: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "model_path",
         nargs="?",
@@ -46,15 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_flags(serve)
     add_serve_flags(serve)
     add_parallel_flags(serve)
+    add_multimodel_flags(serve)
 
-    tune = sub.add_parser(
-        "tune", help="measure the start-up choices again and store them for the next serve"
-    )
-    tune.add_argument("model_path", nargs="?", default=None, metavar="MODEL", help="as for serve")
-    add_model_flags(tune)
-    tune.add_argument(
-        "--max-model-len", type=int, default=None, help="as for serve (it bounds the probes)"
-    )
+
+def serve_parser() -> argparse.ArgumentParser:
+    """`serve`'s flags alone: what a model's own process is checked against."""
+    parser = argparse.ArgumentParser(prog="llamaserve serve")
+    add_serve_arguments(parser)
     return parser
 
 
@@ -69,7 +81,7 @@ def read_api_keys(path: str) -> list[str]:
     return keys
 
 
-def serve(args: argparse.Namespace) -> int:
+def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from server.startup.config import ParallelConfig, ServeConfig
     from server.startup.launch import build_server, uvicorn_server, watch_ranks
     from server.startup.lora_flags import lora_refusal
@@ -84,6 +96,10 @@ def serve(args: argparse.Namespace) -> int:
         raise UsageError(f"--header-timeout must be positive, got {args.header_timeout}")
     if args.limit_concurrency < 1:
         raise UsageError(f"--limit-concurrency must be at least 1, got {args.limit_concurrency}")
+    if serves_several(args):
+        from server.multimodel.serving import serve_models
+
+        return serve_models(args, argv[argv.index("serve") + 1 :], api_keys, serve_parser)
     refusal = lora_refusal(args)
     if refusal is not None:
         raise UsageError(refusal)
@@ -154,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from model.parallel.distributed import DistributedError
     from scheduler import EngineConfigError
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     if args.threads is not None:
         if args.threads < 1:
@@ -169,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
 
             return generate(args)
         if args.command == "serve":
-            return serve(args)
+            return serve(args, argv)
         if args.command == "tune":
             from server.startup.tune import tune
 

