@@ -81,6 +81,29 @@ def read_api_keys(path: str) -> list[str]:
     return keys
 
 
+def engine_config(args: argparse.Namespace, lora: bool) -> EngineConfig:
+    """The scheduler's settings from `serve`'s flags."""
+    return EngineConfig(
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_step_ms=args.max_step_ms,
+        max_waiting=args.max_waiting,
+        block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        enforce_eager=args.enforce_eager,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_loras=args.max_loras if lora else 0,
+        max_lora_rank=args.max_lora_rank,
+        speculative=(
+            SpeculativeConfig.parse(args.speculative_config)
+            if args.speculative_config is not None
+            else None
+        ),
+    )
+
+
 def serve(args: argparse.Namespace, argv: list[str]) -> int:
     from server.startup.config import ParallelConfig, ServeConfig
     from server.startup.launch import build_server, uvicorn_server, watch_ranks
@@ -115,25 +138,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         task=args.task,
         pooling=args.pooling,
         lora_modules=dict(args.lora_modules),
-        engine=EngineConfig(
-            max_model_len=args.max_model_len,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_step_ms=args.max_step_ms,
-            max_waiting=args.max_waiting,
-            block_size=args.block_size,
-            kv_cache_memory=args.kv_cache_memory,
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            enforce_eager=args.enforce_eager,
-            enable_prefix_caching=not args.no_prefix_caching,
-            max_loras=args.max_loras if lora else 0,
-            max_lora_rank=args.max_lora_rank,
-            speculative=(
-                SpeculativeConfig.parse(args.speculative_config)
-                if args.speculative_config is not None
-                else None
-            ),
-        ),
+        engine=engine_config(args, lora),
         allowed_origins=args.allowed_origins,
         webui=not args.no_webui,
         max_request_bytes=args.max_request_bytes,
