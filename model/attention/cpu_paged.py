@@ -93,8 +93,11 @@ class CpuPagedBackend(TorchRefBackend):
         plan: TorchRefPlan,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rows, max_q, n_heads, head_dim = queries.shape
+        if sinks is not None:  # the kernel has no sinks yet: the reference's formula
+            return super().attend(queries, k_cache, v_cache, group, plan, scale, window, sinks)
         if max_q == 1:
             tables, lens = group.block_tables, getattr(plan, "decode_lens", None)
         elif (

@@ -95,7 +95,10 @@ class TritonPagedBackend(AttentionBackend):
         plan: TritonPagedPlan,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if sinks is not None:  # the kernel plan runs such models on torch_ref
+            raise ValueError("the triton_paged attention backend has no attention sinks")
         q = q.contiguous()
         kv_write(k.contiguous(), v.contiguous(), k_cache, v_cache, batch.slot_mapping)
         out = torch.empty_like(q)

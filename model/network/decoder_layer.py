@@ -80,6 +80,9 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(q_width, config.norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(k_width, config.norm_eps) if qk_norm else None
         self.o_proj = nn.Linear(config.q_size, config.dim, bias=False)
+        self.o_bias = nn.Parameter(torch.zeros(config.dim)) if config.o_bias else None
+        # gpt-oss: a logit per query head that joins its softmax's denominator.
+        self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.moe = SparseMoE(config) if config.is_sparse(index) else None
         dense = self.moe is None
@@ -104,8 +107,10 @@ class DecoderLayer(nn.Module):
         """Runs around attention in two native calls where every part fits (bf16 norms
         and bias, every projection on a C kernel) and without tensor parallelism. With a
         mixture of experts the C layer stops after attention and the experts run here; it
-        has no whole-projection Q/K norms (OLMoE)."""
-        if self.config.qk_norm_whole:
+        has no whole-projection Q/K norms (OLMoE), attention sinks or O bias (gpt-oss)."""
+        if self.config.qk_norm_whole or self.sinks is not None or self.o_bias is not None:
+            if self.moe is not None:
+                self.moe.use_native(lambda _: None)
             self.native = None
             return False
         norms = (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm)
@@ -172,8 +177,9 @@ class DecoderLayer(nn.Module):
         qk = rotated if rotated is not None else apply_rope(qk, *rope)
         q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
-        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
-        h = h + self._added(self.o_proj(attn.reshape(-1, c.q_size)), self.attn_out_norm)
+        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window, self.sinks)
+        out = self._added(self.o_proj(attn.reshape(-1, c.q_size)), self.attn_out_norm)
+        h = h + (out if self.o_bias is None else out + self.o_bias)
         return h + self._added(self._mlp(self.post_attention_layernorm(h)), self.ffn_out_norm)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
