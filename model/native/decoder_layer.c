@@ -173,7 +173,7 @@ int paged_decode_bf16(const void *q, int64_t q_row_stride, const void *k_cache,
                       const void *v_cache, const int64_t *block_tables, int64_t table_stride,
                       const int64_t *seq_lens, void *out, int64_t rows, int64_t n_heads,
                       int64_t n_kv, int64_t head_dim, int64_t block_size, float scale,
-                      int64_t window);
+                      int64_t window, const float *sinks);
 int paged_decode_fits(int64_t n_heads, int64_t n_kv, int64_t head_dim);
 
 /* The whole layer for a batch of decodes, one new token per row, in one call: the
@@ -202,7 +202,7 @@ int decoder_layer_decode(const decoder_layer *l, const uint16_t *h, int64_t rows
     }
     if ((status = paged_decode_bf16(qkv, width, k_cache, v_cache, block_tables, table_stride,
                                     seq_lens, attn, rows, l->n_heads, l->n_kv, l->head_dim,
-                                    block_size, scale, window)))
+                                    block_size, scale, window, NULL)))
         goto done;
     status = decoder_attention_output(l, h, attn, q_size, rows, out);
 done:
