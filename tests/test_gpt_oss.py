@@ -20,9 +20,10 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
 from model.loader import load_model
+from model.network.batch import Batch
+from model.network.paged_cache import PagedKVCache
 from model.network.rope import attention_factor, inverse_frequencies
 from model.parallel.plan import TensorParallel
-from model.plan import build
 from tests import test_families
 from tests.test_families import hf_logits, prompts
 from tests.test_moe import model_logits
@@ -143,11 +144,24 @@ def test_the_c_layer_leaves_gpt_oss_to_pytorch(checkpoint, caplog) -> None:
     assert torch.isfinite(model_logits(loaded.model, ids)).all()
 
 
-def test_triton_attention_gives_way_to_the_reference(monkeypatch) -> None:
-    """Triton's kernels have no sinks: the kernel plan runs a gpt-oss model on torch_ref."""
-    config = ModelConfig.from_hf_dict({**GptOssConfig(**SHAPE).to_dict()})
-    monkeypatch.setattr(build, "attention_name", lambda *_: "triton_paged")
-    assert build._attention("auto", "auto", "cuda", config) == "torch_ref"
+def test_logits_on_the_triton_backend_match_transformers(checkpoint) -> None:
+    """Triton's paged kernels with sinks and windows (under Triton's interpreter where no GPU
+    is lent): a prompt's first 20 tokens as one prefill, then 4 decoded one by one, give
+    transformers' logits."""
+    pytest.importorskip("triton")
+    _, hf, directory, _ = checkpoint
+    loaded = load_model(
+        directory, dtype=torch.float32, progress=False, attention_backend="triton_paged"
+    )
+    model = loaded.model
+    assert model.attention.name == "triton_paged"
+    ids = prompts()[-1][:24]  # past the window of 8, within two blocks of 16
+    cache = PagedKVCache.allocate(model.config, 4, 16, model.dtype)
+    table, prefill = [0, 1], 20
+    steps = [model(Batch.build([ids[:prefill]], [0], [table], 16, "cpu", all_logits=True), cache)]
+    for i in range(prefill, len(ids)):
+        steps.append(model(Batch.build([[ids[i]]], [i], [table], 16), cache))
+    assert (torch.cat(steps) - hf_logits(hf, ids)).abs().max().item() < 1e-4
 
 
 def test_tensor_parallelism_is_refused() -> None:

@@ -6,7 +6,6 @@ attention backend and the argmax."""
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -23,8 +22,6 @@ from model.plan.layer_formats import (
 )
 from model.plan.mode import check_mode, check_quantization
 from model.plan.weight_format import WeightFormat, resolve_weight_format
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -87,19 +84,9 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         layer_quantizations=own,
         head=head,
         int4_kernels=int4_kernels(mode, config, fmt, own, dev),
-        attention=_attention(mode, flags.attention_backend, device, config),
+        attention=attention_name(mode, flags.attention_backend, device),
         argmax=mode != "torch" and native_argmax_available(),
     )
-
-
-def _attention(mode: str, name: str, device: str, config: ModelConfig) -> str:
-    """The attention backend; the plain-PyTorch one for attention sinks (gpt-oss) where
-    the chosen one is Triton's, whose kernels have no sinks."""
-    chosen = attention_name(mode, name, device)
-    if config.attention_sinks and chosen == "triton_paged":
-        logger.info("attention: triton_paged has no attention sinks; torch_ref runs this model's")
-        return "torch_ref"
-    return chosen
 
 
 def int4_kernels(
