@@ -19,6 +19,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from model.config import ModelConfig
 from model.errors import UnsupportedModelError
+from model.greedy import greedy_tokens
 from model.loader import load_model
 from model.network.batch import Batch
 from model.network.paged_cache import PagedKVCache
@@ -126,9 +127,11 @@ def test_greedy_output_is_batch_invariant(checkpoint) -> None:
     test_families.test_greedy_output_is_batch_invariant(checkpoint)
 
 
-def test_the_c_layer_leaves_gpt_oss_to_pytorch(checkpoint, caplog) -> None:
-    """bf16 with grouped int8 layers on the C attention: the C decoder layer has no sinks,
-    O bias or clamped experts, so every layer runs in PyTorch, said in one log line."""
+def test_the_c_layer_runs_attention_with_sinks_and_o_bias(checkpoint, caplog) -> None:
+    """bf16 with grouped int8 layers on the C attention: the C decoder layer runs attention
+    (prefill, and the whole-layer call of a step of decodes) with the sinks and the O bias,
+    and gives the PyTorch layer's logits and greedy tokens exactly; the biased, clamped
+    experts stay in PyTorch, said in one log line."""
     _, _, _, gguf = checkpoint
     with caplog.at_level(logging.INFO, logger="model.network.llama"):
         loaded = load_model(
@@ -138,10 +141,34 @@ def test_the_c_layer_leaves_gpt_oss_to_pytorch(checkpoint, caplog) -> None:
             progress=False,
             attention_backend="cpu_paged",
         )
-    assert all(layer.native is None and layer.moe.native is None for layer in loaded.model.layers)
-    assert sum("attention sinks" in r.message for r in caplog.records) == 1
-    ids = prompts()[-1]
-    assert torch.isfinite(model_logits(loaded.model, ids)).all()
+    layers = loaded.model.layers
+    assert all(layer.native is not None and layer.moe.native is None for layer in layers)
+    assert sum("clamped" in r.message for r in caplog.records) == 1
+    ids, stop = prompts()[-1], loaded.tokenizer.stop_ids
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        return (
+            model_logits(loaded.model, ids),
+            _decoded_logits(loaded.model, ids, 4),
+            list(greedy_tokens(loaded.model, ids, 12, stop)),
+        )
+
+    with_c = run()
+    for layer in layers:
+        layer.native = None
+    without = run()
+    assert torch.equal(with_c[0], without[0]) and torch.equal(with_c[1], without[1])
+    assert with_c[2] == without[2]
+
+
+def _decoded_logits(model: torch.nn.Module, ids: list[int], decodes: int) -> torch.Tensor:
+    """The logits of the last `decodes` tokens, each a step of its own after a prefill of
+    the rest: the steps the C layer runs whole, sinks included."""
+    cache = PagedKVCache.allocate(model.config, 64, 4, model.dtype)
+    table, first = list(range(-(-len(ids) // 4))), len(ids) - decodes
+    model(Batch.build([ids[:first]], [0], [table], 4), cache)
+    steps = [model(Batch.build([[ids[i]]], [i], [table], 4), cache) for i in range(first, len(ids))]
+    return torch.cat(steps)
 
 
 def test_logits_on_the_triton_backend_match_transformers(checkpoint) -> None:

@@ -107,16 +107,14 @@ class DecoderLayer(nn.Module):
         """Runs around attention in two native calls where every part fits (bf16 norms
         and bias, every projection on a C kernel) and without tensor parallelism. With a
         mixture of experts the C layer stops after attention and the experts run here; it
-        has no whole-projection Q/K norms (OLMoE), attention sinks or O bias (gpt-oss)."""
-        if self.config.qk_norm_whole or self.sinks is not None or self.o_bias is not None:
-            if self.moe is not None:
-                self.moe.use_native(lambda _: None)
+        has no whole-projection Q/K norms (OLMoE)."""
+        if self.config.qk_norm_whole:
             self.native = None
             return False
         norms = (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm)
         norms += (self.attn_out_norm, self.ffn_out_norm)
         tensors = [n.weight for n in norms if n is not None]
-        tensors += [self.qkv_bias] if self.qkv_bias is not None else []
+        tensors += [b for b in (self.qkv_bias, self.o_bias) if b is not None]
         linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         projections = [_native_weight(p) for p in linears if p is not None]
         fits = (
@@ -155,7 +153,9 @@ class DecoderLayer(nn.Module):
                 out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale, window)
             if out is None:
                 q, k, v = self.native.attention_input(h, *rope)
-                attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
+                attn = attention.forward(
+                    q, k, v, k_cache, v_cache, batch, plan, scale, window, self.sinks
+                )
                 out = self.native.attention_output(h, attn)
             if self.moe is not None:  # the C layer stopped after attention's residual
                 out = self.moe.residual(out, self.post_attention_layernorm)

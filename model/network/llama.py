@@ -103,10 +103,10 @@ class Llama(nn.Module):
     def use_native_layers(self) -> int:
         """Native decoder layers where their parts fit (model/native/layer.py): how many."""
         native = sum(layer.use_native() for layer in self.layers)
-        if self.config.attention_sinks:
+        if self.config.expert_bias:
             logger.info(
-                "%s: attention sinks, the O bias and biased, clamped experts run in the "
-                "PyTorch decoder layer (the C layer has none of them)",
+                "%s: its experts (biased, gate clamped) run in PyTorch, grouped by expert; "
+                "the C experts call has neither",
                 self.config.architecture,
             )
         sparse = sum(layer.moe is not None for layer in self.layers)
