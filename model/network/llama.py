@@ -103,12 +103,6 @@ class Llama(nn.Module):
     def use_native_layers(self) -> int:
         """Native decoder layers where their parts fit (model/native/layer.py): how many."""
         native = sum(layer.use_native() for layer in self.layers)
-        if self.config.expert_bias:
-            logger.info(
-                "%s: its experts (biased, gate clamped) run in PyTorch, grouped by expert; "
-                "the C experts call has neither",
-                self.config.architecture,
-            )
         sparse = sum(layer.moe is not None for layer in self.layers)
         if sparse:
             in_c = sum(

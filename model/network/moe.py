@@ -2,7 +2,7 @@
 the top `n_experts_used` of `n_experts` SwiGLU experts for each token, their weights
 renormalised to sum to 1 where the config says so (gpt-oss's softmax over its top-k logits is
 that renormalisation), and the token's output is the weighted sum of theirs. gpt-oss's
-router and experts carry biases and its experts clamp their gate; those run in PyTorch.
+router and experts carry biases and its experts clamp their gate, in both paths.
 
 A step's token slots are grouped by expert (sorted by expert id), so each chosen expert
 runs once over all the tokens that chose it and its weights are read once per step
@@ -76,8 +76,7 @@ class SparseMoE(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.router = Router(config.n_experts, config.dim, config.expert_bias)
         self.experts = nn.ModuleList(Expert(config) for _ in range(config.n_experts))
-        # The C call computes plain SwiGLU experts without biases.
-        self.plain = not config.expert_bias and config.swiglu_limit is None
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         # The experts in one C call, set by `use_native` where every product has a C kernel.
         self.native: NativeMoeExperts | None = None
 
@@ -87,11 +86,29 @@ class SparseMoE(nn.Module):
         gate_up = [native_weight(e.gate_up_proj) for e in self.experts]
         down = [native_weight(e.down_proj) for e in self.experts]
         self.native = None
-        if None in gate_up or None in down or not self.plain:
+        if None in gate_up or None in down:
             return False
         ffn = self.experts[0].down_proj.in_features
         dim = self.experts[0].down_proj.out_features
-        self.native = NativeMoeExperts(gate_up, down, self.top_k, dim, ffn)  # type: ignore[arg-type]
+        biases = None
+        if self.experts[0].gate_up_proj_bias is not None:  # gpt-oss: stacked for the C call
+            parts = ("gate_up_proj_bias", "down_proj_bias")
+            biases = tuple(
+                torch.stack([getattr(e, part).detach() for e in self.experts]).contiguous()
+                for part in parts
+            )
+            if any(b.dtype != torch.bfloat16 for b in biases):
+                return False
+        self.native = NativeMoeExperts(
+            gate_up,  # type: ignore[arg-type]
+            down,  # type: ignore[arg-type]
+            self.top_k,
+            dim,
+            ffn,
+            biases,  # type: ignore[arg-type]
+            self.limit,
+            self.alpha,
+        )
         return True
 
     def residual(
