@@ -92,10 +92,8 @@ def _decode_split_kernel(
         m, denom, acc = attend_block(
             q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
         )
-
-    if HAS_SINKS and SINGLE_SPLIT:
-        sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0)
-        m, denom, acc = join_sink(m, denom, acc, sink)
+    if HAS_SINKS and SINGLE_SPLIT:  # else where the splits merge
+        m, denom, acc = join_sink(m, denom, acc, tl.load(sinks_ptr + heads, mask=head_ok))
     out = acc / tl.maximum(denom, 1e-30)[:, None]  # an empty split has acc = 0
     store_mask = head_ok[:, None] & dim_ok[None, :]
     if SINGLE_SPLIT:
@@ -167,10 +165,9 @@ def paged_decode(
     window: int = 0,
     sinks: torch.Tensor | None = None,
 ) -> None:
-    """Attention of the query at row token_index[i] of q ([T, n_heads, head_dim]) over
-    sequence i's first seq_lens[i] cached tokens (its last `window` only, where given),
-    written to the same row of out. block_tables: [B, max_blocks]; the number of splits
-    follows from its width alone. sinks: [n_heads] fp32 logits in each denominator."""
+    """The query at row token_index[i] of q ([T, n_heads, head_dim]) attends to sequence i's
+    first seq_lens[i] cached tokens (its last `window` only; `sinks`: [n_heads] fp32 logits
+    in each denominator) into the same row of out; block_tables' width sets the splits."""
     num_seqs, max_blocks = block_tables.shape
     if num_seqs == 0:
         return
