@@ -42,7 +42,7 @@ static inline uint16_t clamped_gate(const moe_experts *m, uint16_t gate, uint16_
     const float u = round_to(fmaxf(fminf(from_bf16(up), m->limit), -m->limit), 1);
     const float scaled = round_to(g * m->alpha, 1);
     const float sigmoid = round_to(1.0f / (1.0f + expf(-scaled)), 1);
-    return to_bf16(round_to(round_to(u + 1.0f, 1) * g, 1) * sigmoid);
+    return to_bf16(round_to(u + 1.0f, 1) * round_to(g * sigmoid, 1));
 }
 
 /* The buffers of a step, each slot's rows at its place in expert order; `x` holds a

@@ -54,7 +54,8 @@ class Expert(nn.Module):
         else:
             gate = gate.clamp(max=self.limit)
             up = up.clamp(-self.limit, self.limit)
-            out = self.down_proj((up + 1) * gate * torch.sigmoid(gate * self.alpha))
+            glu = gate * torch.sigmoid(gate * self.alpha)  # in transformers' order of ops
+            out = self.down_proj((up + 1) * glu)
         return out if self.down_proj_bias is None else out + self.down_proj_bias
 
 
