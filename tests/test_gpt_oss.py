@@ -75,13 +75,14 @@ def test_sinks_clamps_and_router_bias_matter(checkpoint) -> None:
 
 
 def test_q8_0_experts_give_the_dequantised_reference(checkpoint, tmp_path) -> None:
-    """Experts and attention stored in Q8_0: the `gguf` package's dequantisation of the
-    file's tensors, put back into transformers' model, gives our logits within 1e-4."""
+    """Experts and attention stored in Q8_0 (V in F16): the `gguf` package's dequantisation
+    of the file's tensors, put back into transformers' model, gives our logits within 1e-4."""
     _, hf, directory, _ = checkpoint
     types = {}
     for i in range(SHAPE["num_hidden_layers"]):
         for name in ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps", "attn_q", "attn_output"):
             types[f"blk.{i}.{name}.weight"] = T.Q8_0
+        types[f"blk.{i}.attn_v.weight"] = T.F16
     gguf = write_gpt_oss_gguf(hf, directory, tmp_path / "q8.gguf", types=types)
     stacks = {
         t.name: torch.from_numpy(
@@ -95,6 +96,7 @@ def test_q8_0_experts_give_the_dequantised_reference(checkpoint, tmp_path) -> No
         for i, layer in enumerate(reference.model.layers):
             layer.self_attn.q_proj.weight.copy_(stacks[f"blk.{i}.attn_q.weight"])
             layer.self_attn.o_proj.weight.copy_(stacks[f"blk.{i}.attn_output.weight"])
+            layer.self_attn.v_proj.weight.copy_(stacks[f"blk.{i}.attn_v.weight"])
             gate, up = (stacks[f"blk.{i}.ffn_{p}_exps.weight"] for p in ("gate", "up"))
             experts = layer.mlp.experts
             experts.gate_up_proj[..., ::2] = gate.transpose(1, 2)
