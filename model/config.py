@@ -15,17 +15,9 @@ from typing import Any
 
 from model.errors import UnsupportedModelError
 from model.families import MOE_FAMILIES, family_for_gguf, family_for_hf
+from model.rope_scaling import SUPPORTED_ROPE_TYPES, RopeScaling, rope_scaling
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    rope_type: str = "default"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position: int = 8192
+__all__ = ["SUPPORTED_ROPE_TYPES", "ModelConfig", "RopeScaling", "meta_ffn_dim"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +57,15 @@ class ModelConfig:
     expert_ffn_dim: int = 0
     norm_topk_prob: bool = False
     dense_layers: tuple[int, ...] = ()
+    # gpt-oss: a bias on the O projection; a learned logit per query head that joins each
+    # softmax's denominator (an attention sink); biases on the router and on every expert
+    # projection; experts gated as (clamp(up) + 1) * g * sigmoid(swiglu_alpha * g) with
+    # g = min(gate, swiglu_limit), where a limit is set.
+    o_bias: bool = False
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         if self.n_heads % self.n_kv_heads:
@@ -101,12 +102,14 @@ class ModelConfig:
         attn = self.dim * (self.q_size + 2 * self.kv_size) + self.q_size * self.dim
         dense = 3 * self.dim * self.ffn_dim
         sparse = self.n_experts * (3 * self.dim * self.expert_ffn_dim + self.dim)
+        sparse += self.n_experts * (2 * self.expert_ffn_dim + self.dim + 1) * self.expert_bias
         n_sparse = sum(self.is_sparse(i) for i in range(self.n_layers))
         ffn = n_sparse * sparse + (self.n_layers - n_sparse) * dense
         norms = (4 if self.sandwich_norms else 2) * self.dim
         norms += 2 * self.head_dim if self.qk_norm else 0
         norms += self.q_size + self.kv_size if self.qk_norm_whole else 0
         attn += (self.q_size + 2 * self.kv_size) if self.qkv_bias else 0
+        attn += self.dim * self.o_bias + self.n_heads * self.attention_sinks
         embed = self.vocab_size * self.dim * (1 if self.tie_embeddings else 2)
         return self.n_layers * (attn + norms) + ffn + self.dim + embed
 
@@ -136,7 +139,7 @@ class ModelConfig:
             vocab_size=cfg["vocab_size"],
             norm_eps=cfg.get("rms_norm_eps", 1e-5),
             rope_theta=float(theta),
-            rope_scaling=_rope_scaling(rope, source),
+            rope_scaling=rope_scaling(rope, source),
             max_position=cfg.get("max_position_embeddings", 2048),
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             architecture=family.name,
@@ -172,15 +175,16 @@ class ModelConfig:
                     f"{source}: partial rotary embeddings ({rot_dims} of {head_dim} dims) "
                     "are not supported"
                 )
-            scaling: dict[str, Any] = {}
-            if arch.get("rope.scaling.type") == "linear":
+            vocab = arch.get("vocab_size") or len(md["tokenizer.ggml.tokens"])
+            extra = family.gguf_fields(arch, source)
+            # A family that reads its own RoPE scaling (gpt-oss's YaRN) hands it over.
+            scaling: dict[str, Any] = extra.pop("rope", {})
+            if not scaling and arch.get("rope.scaling.type") == "linear":
                 scaling = {"rope_type": "linear", "factor": arch["rope.scaling.factor"]}
-            elif arch.get("rope.scaling.type") not in (None, "none"):
+            elif not scaling and arch.get("rope.scaling.type") not in (None, "none"):
                 raise UnsupportedModelError(
                     f"{source}: unsupported rope scaling {arch['rope.scaling.type']!r}"
                 )
-            vocab = arch.get("vocab_size") or len(md["tokenizer.ggml.tokens"])
-            extra = family.gguf_fields(arch, source)
             if extra.get("n_experts"):
                 extra["dense_layers"] = tuple(
                     i
@@ -202,7 +206,7 @@ class ModelConfig:
                 vocab_size=vocab,
                 norm_eps=arch.get("attention.layer_norm_rms_epsilon", 1e-5),
                 rope_theta=float(arch.get("rope.freq_base", 10000.0)),
-                rope_scaling=_rope_scaling(scaling, source),
+                rope_scaling=rope_scaling(scaling, source),
                 max_position=arch.get("context_length", 2048),
                 tie_embeddings="output.weight" not in tensor_names,
                 architecture=family.name,
@@ -271,21 +275,3 @@ def meta_ffn_dim(dim: int, multiple_of: int, ffn_dim_multiplier: float | None) -
     if ffn_dim_multiplier is not None:
         hidden = int(ffn_dim_multiplier * hidden)
     return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-def _rope_scaling(rope: dict[str, Any], source: str) -> RopeScaling:
-    rope_type = rope.get("rope_type") or rope.get("type") or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise UnsupportedModelError(
-            f"{source}: unsupported rope scaling type {rope_type!r} "
-            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-        )
-    if rope_type == "default":
-        return RopeScaling()
-    return RopeScaling(
-        rope_type=rope_type,
-        factor=float(rope.get("factor", 1.0)),
-        low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
-        original_max_position=int(rope.get("original_max_position_embeddings", 8192)),
-    )

@@ -72,11 +72,11 @@ def _random_step(
     return batch, q, k, v, k_cache, v_cache
 
 
-def _attend(backend, batch, q, k, v, k_cache, v_cache, window=None) -> torch.Tensor:
+def _attend(backend, batch, q, k, v, k_cache, v_cache, window=None, sinks=None) -> torch.Tensor:
     with torch.inference_mode():
         plan = backend.plan(batch)
         caches = k_cache.clone(), v_cache.clone()
-        return backend.forward(q, k, v, *caches, batch, plan, 0.125, window)
+        return backend.forward(q, k, v, *caches, batch, plan, 0.125, window, sinks)
 
 
 # bf16 with head_dim 64 and 128 takes the kernel's AVX-512 path where the level has one
@@ -116,6 +116,25 @@ def test_attention_matches_reference(
         atol=tol,
         rtol=tol,
     )
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 32)]
+)
+def test_attention_sinks_match_reference(
+    backend: CpuPagedBackend, dtype: torch.dtype, head_dim: int
+) -> None:
+    """gpt-oss's sink logit per query head joins its softmax's denominator in the kernel's
+    every path (bf16 at head_dim 64 takes the vectorised one), as in the reference, which
+    tests/test_gpt_oss.py holds to transformers; and the sinks do change the result."""
+    step = _random_step(dtype, seq_lens=[1, 5, 17, 70], prefill=12, head_dim=head_dim)
+    sinks = 2 * torch.randn(N_HEADS, generator=torch.Generator().manual_seed(1))
+    got = _attend(backend, *step, window=7, sinks=sinks)
+    want = _attend(TorchRefBackend(), *step, window=7, sinks=sinks)
+    plain = _attend(TorchRefBackend(), *step, window=7)
+    assert (want.float() - plain.float()).abs().max().item() > 0.1
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
 def test_sequence_alone_equals_in_batch(backend: CpuPagedBackend) -> None:

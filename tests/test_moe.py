@@ -185,7 +185,9 @@ def test_greedy_output_is_batch_invariant(checkpoint) -> None:
 
 def test_other_mixtures_of_experts_are_refused_naming_those_supported() -> None:
     for model_type in ("qwen2_moe", "deepseek_v3", "phimoe"):
-        with pytest.raises(UnsupportedModelError, match="'qwen3_moe', 'olmoe' and 'mixtral'"):
+        with pytest.raises(
+            UnsupportedModelError, match="'qwen3_moe', 'olmoe', 'mixtral' and 'gpt_oss'"
+        ):
             ModelConfig.from_hf_dict({"model_type": model_type})
 
 
@@ -224,7 +226,9 @@ def test_experts_in_a_family_without_them_are_refused_naming_those_supported() -
         "qwen2.expert_count": 8,
         "qwen2.expert_used_count": 2,
     }
-    with pytest.raises(UnsupportedModelError, match="'qwen3_moe', 'olmoe' and 'mixtral'"):
+    with pytest.raises(
+        UnsupportedModelError, match="'qwen3_moe', 'olmoe', 'mixtral' and 'gpt_oss'"
+    ):
         ModelConfig.from_gguf_metadata(md, set())
 
 

@@ -36,6 +36,7 @@ def quantised_moe(gate_up: str, kernel: str | None, down: str) -> SparseMoE:
     config = SimpleNamespace(
         n_experts=EXPERTS, n_experts_used=TOP_K, norm_topk_prob=True, dim=DIM, expert_ffn_dim=FFN
     )
+    config.expert_bias, config.swiglu_limit, config.swiglu_alpha = False, None, 1.702
     moe = SparseMoE(config)
     moe.router.weight.data = torch.randn(EXPERTS, DIM).to(torch.bfloat16)
     for expert in moe.experts:

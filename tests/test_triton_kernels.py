@@ -183,3 +183,37 @@ def test_paged_prefill_masks_a_sliding_window(
     paged_prefill_reference(q, k_cache, v_cache, *args, unwindowed, scale)
     torch.testing.assert_close(out, expected, **TOL)
     assert not torch.allclose(out, unwindowed, **TOL)
+
+
+@pytest.mark.parametrize("split", [True, False])
+def test_attention_sinks_join_the_denominator(split: bool, device: str) -> None:
+    """gpt-oss's sink logit per query head, with a window: in the decode kernel (at the end
+    of its only split, or where the splits merge) and in the prefill kernel, as the twins
+    add it, and changing the result."""
+    n_rep, head_dim, block_size, window = 4, 64, 16, 21
+    lengths = [1, block_size + 1, 5 * block_size + 3]
+    num_blocks = sum(-(-n // block_size) for n in lengths) + 2
+    k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 40)
+    tables = _tables(lengths, block_size, num_blocks, 4).to(device)
+    q = torch.randn(len(lengths), N_KV * n_rep, head_dim, device=device)
+    sinks = 2 * torch.randn(N_KV * n_rep, device=device)
+    seq_lens = torch.tensor(lengths, device=device)
+    args = (q, k_cache, v_cache, tables, seq_lens, torch.arange(len(lengths), device=device))
+    out, expected, sinkless = (torch.zeros_like(q) for _ in range(3))
+    scale = head_dim**-0.5
+    paged_decode(*args, out, scale, 1 if split else 64, window, sinks)
+    paged_decode_reference(*args, expected, scale, window, sinks)
+    paged_decode_reference(*args, sinkless, scale, window)
+    torch.testing.assert_close(out, expected, **TOL)
+    assert not torch.allclose(out, sinkless, **TOL)
+    if split:
+        return
+    # The same sequences as prefills of 3 new tokens each.
+    starts = torch.tensor([0, 1, 4], device=device)
+    query_lens = torch.tensor([1, 3, 3], device=device)
+    q = torch.randn(7, N_KV * n_rep, head_dim, device=device)
+    prefill = (tables, seq_lens, starts, query_lens)
+    out, expected = torch.zeros_like(q), torch.zeros_like(q)
+    paged_prefill(q, k_cache, v_cache, *prefill, 3, out, scale, window, sinks)
+    paged_prefill_reference(q, k_cache, v_cache, *prefill, expected, scale, window, sinks)
+    torch.testing.assert_close(out, expected, **TOL)

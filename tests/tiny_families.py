@@ -206,6 +206,21 @@ def _interleave(w: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
+def add_vocabulary(writer: GGUFWriter, hf_dir: Path, tokenizer_model: str, pre: str) -> None:
+    """The tokenizer of `hf_dir` as a GGUF vocabulary."""
+    spec = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
+    tokens = sorted(vocab, key=vocab.get)
+    specials = {t["id"] for t in spec["added_tokens"] if t["special"]}
+    writer.add_tokenizer_model(tokenizer_model)
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
+    merges = spec["model"]["merges"]
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
+    writer.add_eos_token_id(vocab["<|endoftext|>"])
+
+
 def write_gguf(
     model: torch.nn.Module,
     family: str,
@@ -245,17 +260,7 @@ def write_gguf(
         writer.add_expert_used_count(c.num_experts_per_tok)
         expert_ffn = getattr(c, "moe_intermediate_size", None) or c.intermediate_size
         writer.add_expert_feed_forward_length(expert_ffn)
-    spec = json.loads((hf_dir / "tokenizer.json").read_text())
-    vocab = {**spec["model"]["vocab"], **{t["content"]: t["id"] for t in spec["added_tokens"]}}
-    tokens = sorted(vocab, key=vocab.get)
-    specials = {t["id"] for t in spec["added_tokens"] if t["special"]}
-    writer.add_tokenizer_model(tokenizer_model)
-    writer.add_tokenizer_pre(pre)
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
-    merges = spec["model"]["merges"]
-    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in merges])
-    writer.add_eos_token_id(vocab["<|endoftext|>"])
+    add_vocabulary(writer, hf_dir, tokenizer_model, pre)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and c.tie_word_embeddings:
             continue

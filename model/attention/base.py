@@ -36,10 +36,13 @@ class AttentionBackend(ABC):
         plan: Any,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, n_heads, head_dim]; k, v: [T, n_kv_heads, head_dim] for the new tokens;
         caches: [num_blocks, block_size, n_kv_heads, head_dim]. Returns [T, n_heads, head_dim].
-        With `window`, a query at position p attends to positions p - window + 1 .. p only."""
+        With `window`, a query at position p attends to positions p - window + 1 .. p only.
+        With `sinks` ([n_heads], gpt-oss), exp(sinks[h]) joins head h's softmax denominator
+        as the weight of a value of zeros."""
 
 
 def write_kv(

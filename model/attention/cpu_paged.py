@@ -7,6 +7,8 @@ of 400 tokens it was half the step). The C kernel (model/native/paged_decode.c) 
 sequence's block table once, in fp32; on a 2-core AVX-512 machine it reads K/V at close
 to memory bandwidth, and decode steps of 16 sequences of 550 tokens went from 184 to 76 ms.
 
+Attention sinks (gpt-oss) join each softmax's denominator in the kernel as in the reference.
+
 Prefill chunks in bf16 run on it too, each query as a row of its own that sees its
 position + 1 tokens, so a query's result is the same bits as a decode's and the same
 however its prompt was chunked or recomputed after preemption: SDPA would round a chunk
@@ -93,6 +95,7 @@ class CpuPagedBackend(TorchRefBackend):
         plan: TorchRefPlan,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         rows, max_q, n_heads, head_dim = queries.shape
         if max_q == 1:
@@ -115,9 +118,9 @@ class CpuPagedBackend(TorchRefBackend):
         out = None
         if lens is not None:
             flat = queries.reshape(rows * max_q, n_heads, head_dim)
-            out = self._run(flat, k_cache, v_cache, tables, lens, scale, window)
+            out = self._run(flat, k_cache, v_cache, tables, lens, scale, window, sinks)
         if out is None:
-            return super().attend(queries, k_cache, v_cache, group, plan, scale, window)
+            return super().attend(queries, k_cache, v_cache, group, plan, scale, window, sinks)
         return out.view(rows, max_q, n_heads, head_dim)
 
     def _run(
@@ -129,6 +132,7 @@ class CpuPagedBackend(TorchRefBackend):
         lens: torch.Tensor,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """One query per row of q [rows, n_heads, head_dim] over `lens` tokens of its
         table; None where the kernel does not apply."""
@@ -146,6 +150,8 @@ class CpuPagedBackend(TorchRefBackend):
         if tables.stride(1) != 1:
             tables = tables.contiguous()
         out = torch.empty(rows, n_heads, head_dim, dtype=q.dtype)
+        # The sink logits in fp32, as the kernel's softmax is (a gpt-oss model's are few).
+        sinks = sinks.detach().float().contiguous() if sinks is not None else None
         status = kernel(
             q.data_ptr(),
             q.stride(0),
@@ -162,6 +168,7 @@ class CpuPagedBackend(TorchRefBackend):
             k_cache.shape[1],
             scale,
             window or 0,
+            sinks.data_ptr() if sinks is not None else None,
         )
         # Non-zero: shapes past the kernel's fixed buffers, or out of memory.
         return out if status == 0 else None

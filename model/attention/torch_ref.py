@@ -72,6 +72,7 @@ class TorchRefBackend(AttentionBackend):
         plan: TorchRefPlan,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = None if plan.groups[0].whole else q.new_empty(q.shape)
@@ -81,7 +82,7 @@ class TorchRefBackend(AttentionBackend):
                 queries = q.reshape(rows, max_q, *q.shape[1:])
             else:
                 queries = q[g.token_index]  # [B, max_q, n_heads, head_dim]
-            attn = self.attend(queries, k_cache, v_cache, g, plan, scale, window)
+            attn = self.attend(queries, k_cache, v_cache, g, plan, scale, window, sinks)
             if g.whole:
                 return attn.reshape(q.shape)
             out[g.dest] = attn.flatten(0, 1)[g.src]
@@ -96,6 +97,7 @@ class TorchRefBackend(AttentionBackend):
         plan: TorchRefPlan,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One group's attention: queries [B, max_q, n_heads, head_dim], the same out."""
         rows = queries.shape[0]
@@ -103,6 +105,8 @@ class TorchRefBackend(AttentionBackend):
         keys = k_cache[group.block_tables].view(rows, -1, n_kv, head_dim)
         values = v_cache[group.block_tables].view(rows, -1, n_kv, head_dim)
         mask = group.mask_for(window)
+        if sinks is not None:
+            return _sink_attention(queries, keys, values, mask, scale, sinks)
         if queries.shape[1] == 1:
             return _decode_attention(queries, keys, values, mask, scale)
         return F.scaled_dot_product_attention(
@@ -140,6 +144,28 @@ def _decode_attention(
         scores.masked_fill_(hidden, float("-inf"))
         heads.append(torch.bmm(torch.softmax(scores, dim=-1), values[:, :, head]))
     return torch.stack(heads, dim=1).view(rows, 1, n_heads, head_dim).to(queries.dtype)
+
+
+def _sink_attention(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
+) -> torch.Tensor:
+    """gpt-oss's attention written out in fp32, as transformers' eager one: each head's
+    sink logit is one more column of its scores, softmaxed with them and then dropped.
+    queries [B, Q, n_heads, d]; keys, values [B, T, n_kv, d]; mask [B, 1, Q, T]."""
+    rows, max_q, n_heads, head_dim = queries.shape
+    n_kv = keys.shape[2]
+    grouped = queries.float().view(rows, max_q, n_kv, n_heads // n_kv, head_dim)
+    scores = torch.einsum("bqkgd,btkd->bkgqt", grouped, keys.float()) * scale
+    scores = scores.masked_fill(~mask.view(rows, 1, 1, max_q, -1), float("-inf"))
+    sink = sinks.float().view(1, n_kv, n_heads // n_kv, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    out = torch.einsum("bkgqt,btkd->bqkgd", probs, values.float())
+    return out.reshape(rows, max_q, n_heads, head_dim).to(queries.dtype)
 
 
 def _plan_group(batch: Batch, rows: list[int]) -> _Group:

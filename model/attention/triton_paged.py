@@ -2,7 +2,7 @@
 and read in place from the paged cache: decodes by the GQA-aware split-K kernel, prefill
 chunks (with or without a cached prefix) by the ragged prefill kernel. Nothing is gathered
 into padded copies, unlike the reference backend. Sliding-window layers pass their window
-to both kernels, which skip the blocks before it.
+to both kernels, which skip the blocks before it; attention sinks (gpt-oss) to both too.
 
 A step of decodes only is planned from the batch's own device tensors, with no
 host-to-device copy and a grid that depends on shapes alone: CUDA graphs capture it.
@@ -95,8 +95,11 @@ class TritonPagedBackend(AttentionBackend):
         plan: TritonPagedPlan,
         scale: float,
         window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         q = q.contiguous()
+        if sinks is not None:
+            sinks = sinks.float().contiguous()
         kv_write(k.contiguous(), v.contiguous(), k_cache, v_cache, batch.slot_mapping)
         out = torch.empty_like(q)
         if plan.decode is not None:
@@ -112,6 +115,7 @@ class TritonPagedBackend(AttentionBackend):
                 scale,
                 self.blocks_per_split,
                 window or 0,
+                sinks,
             )
         if plan.prefill is not None:
             p = plan.prefill
@@ -127,5 +131,6 @@ class TritonPagedBackend(AttentionBackend):
                 out,
                 scale,
                 window or 0,
+                sinks,
             )
         return out

@@ -4,7 +4,9 @@ time under transformers' per-expert names (`mlp.experts.E.gate_proj.weight`), ea
 expert's rows read from the file in blocks of about 1 MB: no float copy of a whole stack
 is ever held, and where a quantised layer holds the block type as it is
 (model/checkpoint/file_blocks.py) the rows stay in the file's blocks until that layer
-unpacks them into its own format. The router (`ffn_gate_inp`) is an ordinary matrix."""
+unpacks them into its own format. The router (`ffn_gate_inp`) is an ordinary matrix.
+gpt-oss adds a stack of biases to each ([n_expert, rows], `ffn_gate_exps.bias`), handed
+over a row per expert."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from model.checkpoint.dequant import dequantize
 from model.checkpoint.file_blocks import FileBlocks
 from model.checkpoint.gguf_file import GGUFFile, GGUFTensor
 
-_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.weight")
+_STACK = re.compile(r"blk\.(\d+)\.ffn_(gate|up|down)_exps\.(weight|bias)")
 # Each stack's per-expert linear layer (model/network/moe.py), gate and up fused.
 STACK_FUSED_INTO = {"gate": "gate_up_proj", "up": "gate_up_proj", "down": "down_proj"}
 
@@ -29,7 +31,7 @@ def is_expert_stack(tensor: GGUFTensor) -> bool:
 def expert_layer_keys(tensor: GGUFTensor) -> list[str]:
     """Our linear layers ('layers.3.moe.experts.5.down_proj') a stack loads into."""
     m = _STACK.fullmatch(tensor.name)
-    if m is None:
+    if m is None or m.group(3) == "bias":
         return []
     ours = STACK_FUSED_INTO[m.group(2)]
     return [f"layers.{m.group(1)}.moe.experts.{e}.{ours}" for e in range(tensor.shape[-1])]
@@ -44,6 +46,8 @@ def stack_block_rows(tensor: GGUFTensor, undecoded: bool, block_bytes: int) -> i
 
 
 def count_stack_blocks(tensor: GGUFTensor, undecoded: bool, block_bytes: int) -> int:
+    if len(tensor.shape) == 2:  # biases: one row per expert
+        return tensor.shape[1]
     _, rows, n_experts = tensor.shape
     return n_experts * -(-rows // stack_block_rows(tensor, undecoded, block_bytes))
 
@@ -55,6 +59,13 @@ def iter_expert_stack(
     m = _STACK.fullmatch(tensor.name)
     assert m is not None
     layer, part = m.group(1), m.group(2)
+    if m.group(3) == "bias":
+        rows, n_experts = tensor.shape
+        raw = torch.frombuffer(gguf.read(tensor, 0, tensor.nbytes), dtype=torch.uint8)
+        biases = dequantize(raw, tensor.tensor_type, (n_experts, rows), dtype)
+        for expert in range(n_experts):
+            yield f"model.layers.{layer}.mlp.experts.{expert}.{part}_proj.bias", biases[expert]
+        return
     columns, rows, n_experts = tensor.shape
     row_bytes = tensor.nbytes // (n_experts * rows)
     block = stack_block_rows(tensor, undecoded, block_bytes)

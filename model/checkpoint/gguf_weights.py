@@ -9,7 +9,7 @@ and the mistake gives no error, only wrong text. Families llama.cpp rotates NeoX
 """
 
 import re
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from math import prod
 
 import torch
@@ -48,18 +48,21 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
     "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "attn_sinks": "self_attn.sinks",  # gpt-oss
 }
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 # Tensors llama.cpp may store that the network does not use.
 _IGNORED = {"rope_freqs.weight"}
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, family_names: Mapping[str, str] | None = None) -> str | None:
+    """`family_names`: the kinds a family names otherwise (model/families/)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     m = _LAYER_RE.fullmatch(gguf_name)
-    if m and m.group(2) in _LAYER_NAMES:
-        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    names = {**_LAYER_NAMES, **(family_names or {})}
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}.{m.group(3)}"
     return None
 
 
@@ -103,7 +106,8 @@ def iter_gguf_weights(
     under the tensor's name, in order (`Llama.load_weights` takes them so); Q and K, whose
     rows are reordered per head, always come whole. The GGUF tensors named in `skip` are
     left out; matrices of the block types in `file_blocks` come undecoded, as FileBlocks."""
-    permuted = FAMILIES[config.architecture].gguf_permutes_qk
+    family = FAMILIES[config.architecture]
+    permuted = family.gguf_permutes_qk
     for tensor in gguf.tensors:
         if tensor.name in _IGNORED or tensor.name in skip:
             continue
@@ -112,7 +116,7 @@ def iter_gguf_weights(
             block_bytes = ROW_BLOCK_BYTES if row_blocks else 1 << 62
             yield from iter_expert_stack(gguf, tensor, dtype, undecoded, block_bytes)
             continue
-        name = hf_name(tensor.name)
+        name = hf_name(tensor.name, family.gguf_names)
         if name is None:
             raise ModelFileError(f"{gguf.path}: unexpected tensor {tensor.name!r}")
         shape = tuple(reversed(tensor.shape))

@@ -34,8 +34,9 @@ class HFCheckpoint(Checkpoint):
         # Each rank reads only its own slices from disk.
         cut = tp.cut(self.config) if tp is not None else None
         tensors = join_mxfp4_pairs(iter_safetensors(self.files, dtype, cut=cut), dtype)
-        adapt = FAMILIES[self.config.architecture].adapt_hf
-        return (adapt(name, tensor) for name, tensor in tensors), tp is not None
+        family = FAMILIES[self.config.architecture]
+        adapted = (pair for name, tensor in tensors for pair in family.hf_tensors(name, tensor))
+        return adapted, tp is not None
 
     def tokenizer(self) -> Tokenizer:
         return named_tokenizer(self.path, tokenizer_from_hf_dir, self.path)

@@ -4,6 +4,7 @@ these."""
 
 from model.errors import UnsupportedModelError
 from model.families.gemma3 import GEMMA3
+from model.families.gpt_oss import GPT_OSS
 from model.families.llama import LLAMA
 from model.families.mistral import MISTRAL
 from model.families.mixtral import MIXTRAL
@@ -13,10 +14,14 @@ from model.families.qwen3 import QWEN3
 from model.families.qwen3_moe import QWEN3_MOE
 from model.families.spec import Family
 
-FAMILIES = {f.name: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, QWEN3_MOE, OLMOE, MIXTRAL)}
+FAMILIES = {
+    f.name: f for f in (LLAMA, QWEN2, QWEN3, MISTRAL, GEMMA3, QWEN3_MOE, OLMOE, MIXTRAL, GPT_OSS)
+}
 _BY_HF_TYPE = {t: f for f in FAMILIES.values() for t in f.hf_model_types}
 _BY_GGUF = {f.gguf_name: f for f in FAMILIES.values()}
-MOE_FAMILIES = "'qwen3_moe', 'olmoe' and 'mixtral' (a softmax router, top-k SwiGLU experts)"
+MOE_FAMILIES = (
+    "'qwen3_moe', 'olmoe', 'mixtral' and 'gpt_oss' (a softmax router, top-k SwiGLU experts)"
+)
 # Mixtures of experts we do not run, by HF model_type and GGUF architecture, and why.
 _OTHER_MOE = {
     "qwen2_moe": "shared experts",

@@ -7,7 +7,7 @@ reads those fields (model/network/llama.py). Families never touch tensors.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +22,9 @@ def _no_fields(cfg: dict[str, Any], source: str) -> Fields:
 
 def _as_stored(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
     return name, tensor
+
+
+Adapted = Iterable[tuple[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,17 @@ class Family:
     adapt_hf: Callable[[str, torch.Tensor], tuple[str, torch.Tensor]] = _as_stored
     # GGUF's `general.architecture` where llama.cpp spells it otherwise (`qwen3moe`).
     gguf_architecture: str | None = None
+    # Where one HF tensor holds several of ours (gpt-oss's stacked experts): the tensors it
+    # splits into, under the names `adapt_hf` would give; None: `adapt_hf` alone.
+    split_hf: Callable[[str, torch.Tensor], Adapted] | None = None
+    # GGUF tensor kinds ('post_attention_norm') that mean another HF name in this family.
+    gguf_names: Mapping[str, str] | None = None
+
+    def hf_tensors(self, name: str, tensor: torch.Tensor) -> Adapted:
+        """An HF checkpoint's tensor as the tensors `Llama.load_weights` takes."""
+        if self.split_hf is not None:
+            return self.split_hf(name, tensor)
+        return (self.adapt_hf(name, tensor),)
 
     @property
     def gguf_name(self) -> str:

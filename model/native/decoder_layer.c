@@ -4,11 +4,12 @@
  *
  * decoder_attention_input: RMSNorm, the fused Q/K/V projection (plus Qwen2's bias), the
  * per-head Q/K RMSNorm (Qwen3, Gemma 3), RoPE on Q and K.
- * decoder_attention_output: O projection (normalised in Gemma 3) and residual, RMSNorm,
+ * decoder_attention_output: O projection (normalised in Gemma 3, plus gpt-oss's bias) and
+ * residual, RMSNorm,
  * gate/up projection, SiLU(gate) * up or GELU-tanh(gate) * up, down projection (normalised
  * in Gemma 3) and residual.
  * decoder_layer_decode: for a batch of decodes, both around the cache writes and decode
- * attention: the whole layer in one call.
+ * attention (with gpt-oss's attention sinks): the whole layer in one call.
  * A layer whose MLP is a mixture of experts (ffn 0) stops after the attention's residual:
  * its caller runs the experts (model/network/moe.py).
  *
@@ -86,6 +87,8 @@ typedef struct {
     int64_t gelu;                                /* GELU-tanh gate (Gemma 3), else SiLU */
     int64_t dim, n_heads, n_kv, head_dim, ffn;
     float eps;
+    const uint16_t *o_bias; /* gpt-oss */
+    const float *sinks;     /* gpt-oss: [n_heads] fp32 logits in each softmax's denominator */
 } decoder_layer;
 
 static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
@@ -143,6 +146,9 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
     if ((status = matmul(&l->o, attn, attn_stride, projected, rows, dim, q_size))) goto done;
     if (l->attn_out_norm != NULL)
         rms_norm_bf16(projected, l->attn_out_norm, projected, rows, dim, l->eps);
+    if (l->o_bias != NULL)
+        for (int64_t i = 0; i < rows * dim; i++)
+            projected[i] = add_bf16(projected[i], l->o_bias[i % dim]);
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(h[i], projected[i]);
     if (ffn == 0) goto done; /* a mixture of experts: the caller's */
@@ -176,7 +182,7 @@ int paged_decode_bf16(const void *q, int64_t q_row_stride, const void *k_cache,
                       const void *v_cache, const int64_t *block_tables, int64_t table_stride,
                       const int64_t *seq_lens, void *out, int64_t rows, int64_t n_heads,
                       int64_t n_kv, int64_t head_dim, int64_t block_size, float scale,
-                      int64_t window);
+                      int64_t window, const float *sinks);
 int paged_decode_fits(int64_t n_heads, int64_t n_kv, int64_t head_dim);
 
 /* The whole layer for a batch of decodes, one new token per row, in one call: the
@@ -205,7 +211,7 @@ int decoder_layer_decode(const decoder_layer *l, const uint16_t *h, int64_t rows
     }
     if ((status = paged_decode_bf16(qkv, width, k_cache, v_cache, block_tables, table_stride,
                                     seq_lens, attn, rows, l->n_heads, l->n_kv, l->head_dim,
-                                    block_size, scale, window)))
+                                    block_size, scale, window, l->sinks)))
         goto done;
     status = decoder_attention_output(l, h, attn, q_size, rows, out);
 done:

@@ -2,8 +2,9 @@
 models whose linear layers all run on the C kernels (int4 with bf16 or int8 activations,
 int5, int6 or grouped int8, per projection), with each family's additions: Qwen2's Q/K/V
 bias, the per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms after attention and the MLP and
-its GELU-tanh gate. A layer whose MLP is a mixture of experts stops after attention's
-residual add: its caller runs the experts (model/network/moe.py).
+its GELU-tanh gate, gpt-oss's O bias and attention sinks. A layer whose MLP is a mixture of
+experts stops after attention's residual add: its caller runs the experts
+(model/network/moe.py).
 
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
 casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
@@ -70,6 +71,8 @@ class _DecoderLayer(ctypes.Structure):
         ("head_dim", _I64),
         ("ffn", _I64),
         ("eps", ctypes.c_float),
+        ("o_bias", _PTR),
+        ("sinks", _PTR),
     ]
 
 
@@ -106,7 +109,11 @@ class NativeDecoderLayer:
                 for norm in (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.ffn_out_norm)
             ),
         ]
-        self._tensors += [t for t in optional if t is not None]
+        # gpt-oss: the O bias in bf16 as the PyTorch layer adds it; the sinks in fp32, as
+        # the attention kernel's softmax is.
+        sinks = layer.sinks.detach().float().contiguous() if layer.sinks is not None else None
+        optional_gpt_oss = [layer.o_bias, sinks]
+        self._tensors += [t for t in optional + optional_gpt_oss if t is not None]
         self._struct = _DecoderLayer(
             layer.input_layernorm.weight.data_ptr(),
             layer.post_attention_layernorm.weight.data_ptr(),
@@ -119,6 +126,8 @@ class NativeDecoderLayer:
             c.head_dim,
             c.ffn_dim if len(projections) == 4 else 0,  # 0: the experts are the caller's
             layer.input_layernorm.eps,
+            layer.o_bias.data_ptr() if layer.o_bias is not None else None,
+            sinks.data_ptr() if sinks is not None else None,
         )
         self._tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         self._pointer = ctypes.addressof(self._struct)

@@ -1,6 +1,7 @@
 """A mixture of experts' experts for one step in one C call (moe_experts.c): the step's
-token slots grouped by expert, each chosen expert run once over its rows, the weighted
-outputs summed per token and added to the residual. The router stays in PyTorch
+token slots grouped by expert, each chosen expert run once over its rows (gpt-oss's with
+their biases and clamped gate), the weighted outputs summed per token and added to the
+residual. The router stays in PyTorch
 (model/network/moe.py): a [rows, n_experts] product and a top-k, a few ops a layer, and
 its choice of experts is then exactly the PyTorch path's.
 
@@ -32,6 +33,10 @@ class _MoeExperts(ctypes.Structure):
         ("top_k", _I64),
         ("dim", _I64),
         ("ffn", _I64),
+        ("gate_up_bias", _PTR),
+        ("down_bias", _PTR),
+        ("limit", ctypes.c_float),
+        ("alpha", ctypes.c_float),
     ]
 
 
@@ -46,7 +51,12 @@ class NativeMoeExperts:
         top_k: int,
         dim: int,
         ffn: int,
+        biases: tuple[torch.Tensor, torch.Tensor] | None = None,
+        limit: float | None = None,
+        alpha: float = 1.702,
     ) -> None:
+        """gpt-oss: `biases`, every expert's gate/up and down biases stacked (bf16,
+        [n_experts, 2 ffn] and [n_experts, dim]), and the gate's `limit` and `alpha`."""
         self._call = load_library().moe_experts_bf16
         self._call.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
         self._call.restype = ctypes.c_int
@@ -65,7 +75,11 @@ class NativeMoeExperts:
             top_k,
             dim,
             ffn,
+            *(b.data_ptr() for b in biases) if biases else (None, None),
+            limit or 0.0,
+            alpha,
         )
+        self._tensors += list(biases or ())
         self.dim = dim
 
     def add(

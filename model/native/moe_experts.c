@@ -1,6 +1,6 @@
 /* A mixture-of-experts FFN's experts for one step, in one call (model/native/moe.py): the
- * step's token slots grouped by expert, each chosen expert's gate/up, SiLU(gate) * up and
- * down run once over all the rows that chose it (its weights read once per step however
+ * step's token slots grouped by expert, each chosen expert's gate/up, SiLU(gate) * up (or
+ * gpt-oss's clamped gate, with its biases) and down run once over all the rows that chose it (its weights read once per step however
  * many tokens chose it), each slot's output weighted by the router, a token's k outputs
  * summed in the order of its top-k and added to the residual.
  *
@@ -24,7 +24,26 @@
 typedef struct {
     const layer_weight *gate_up, *down; /* [n_experts] each */
     int64_t n_experts, top_k, dim, ffn;
+    /* gpt-oss: biases [n_experts, 2 ffn] and [n_experts, dim] (NULL: none), and the gate
+     * (up + 1) * g * sigmoid(alpha g), g = min(gate, limit), up within +-limit (limit 0:
+     * SiLU(gate) * up). */
+    const uint16_t *gate_up_bias, *down_bias;
+    float limit, alpha;
 } moe_experts;
+
+static inline uint16_t add_bias(uint16_t a, uint16_t b) {
+    return to_bf16(from_bf16(a) + from_bf16(b));
+}
+
+/* gpt-oss's gate of one (gate, up) pair, rounded to bf16 after each op as the PyTorch
+ * expert's bf16 tensors are. */
+static inline uint16_t clamped_gate(const moe_experts *m, uint16_t gate, uint16_t up) {
+    const float g = round_to(fminf(from_bf16(gate), m->limit), 1);
+    const float u = round_to(fmaxf(fminf(from_bf16(up), m->limit), -m->limit), 1);
+    const float scaled = round_to(g * m->alpha, 1);
+    const float sigmoid = round_to(1.0f / (1.0f + expf(-scaled)), 1);
+    return to_bf16(round_to(u + 1.0f, 1) * round_to(g * sigmoid, 1));
+}
 
 /* The buffers of a step, each slot's rows at its place in expert order; `x` holds a
  * slot's input row, then its weighted output. */
@@ -44,13 +63,24 @@ static int run_expert(const moe_experts *m, const moe_step *s, int64_t e, int64_
         memcpy(xg + i * dim, x + s->order[start + i] / m->top_k * dim, sizeof(uint16_t) * dim);
     int status = layer_matmul(&m->gate_up[e], xg, dim, gu, count, 2 * ffn, dim);
     if (status) return status;
+    if (m->gate_up_bias != NULL)
+        for (int64_t i = 0; i < count * 2 * ffn; i++)
+            gu[i] = add_bias(gu[i], m->gate_up_bias[e * 2 * ffn + i % (2 * ffn)]);
     for (int64_t r = 0; r < count; r++)
         for (int64_t i = 0; i < ffn; i++) {
-            const float g = from_bf16(gu[r * 2 * ffn + i]);
+            const uint16_t gate = gu[r * 2 * ffn + i], up = gu[r * 2 * ffn + ffn + i];
+            if (m->limit > 0.0f) {
+                act[r * ffn + i] = clamped_gate(m, gate, up);
+                continue;
+            }
+            const float g = from_bf16(gate);
             const float a = round_to(g / (1.0f + expf(-g)), 1);
-            act[r * ffn + i] = to_bf16(a * from_bf16(gu[r * 2 * ffn + ffn + i]));
+            act[r * ffn + i] = to_bf16(a * from_bf16(up));
         }
     if ((status = layer_matmul(&m->down[e], act, ffn, y, count, dim, ffn))) return status;
+    if (m->down_bias != NULL)
+        for (int64_t i = 0; i < count * dim; i++)
+            y[i] = add_bias(y[i], m->down_bias[e * dim + i % dim]);
     for (int64_t r = 0; r < count; r++) {
         const float w = from_bf16(weights[s->order[start + r]]);
         for (int64_t i = 0; i < dim; i++) y[r * dim + i] = to_bf16(from_bf16(y[r * dim + i]) * w);

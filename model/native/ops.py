@@ -51,7 +51,8 @@ def paged_decode_kernels(library: ctypes.CDLL | None = None) -> dict[torch.dtype
     symbols = {torch.bfloat16: "paged_decode_bf16", torch.float32: "paged_decode_f32"}
     for dtype, symbol in symbols.items():
         kernel = getattr(library, symbol)
-        kernel.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, _F32, _I64]
+        kernel.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, *[_I64] * 5, _F32]
+        kernel.argtypes += [_I64, _PTR]  # window, sinks (None: none)
         kernel.restype = ctypes.c_int
         kernels[dtype] = kernel
     return kernels

@@ -20,15 +20,22 @@
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 32
 
-/* Softmax of s[0..len) in place. */
-static void softmax(float *s, int64_t len) {
-    float top = s[0], total = 0.0f;
-    for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
+/* Softmax of s[0..len) in place, e^sink joining the denominator (an attention sink's
+ * logit, which weighs no value; -INFINITY: none). */
+static void softmax(float *s, int64_t len, float sink) {
+    float top = sink, total = 0.0f;
+    for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
     for (int64_t t = 0; t < len; t++) {
         s[t] = expf(s[t] - top);
         total += s[t];
     }
+    total += expf(sink - top);
     for (int64_t t = 0; t < len; t++) s[t] /= total;
+}
+
+/* Query head g's sink logit among `sinks` (NULL: none). */
+static inline float sink_of(const float *sinks, int64_t g) {
+    return sinks ? sinks[g] : -INFINITY;
 }
 
 #if defined(__AVX512F__)
@@ -57,14 +64,14 @@ static inline __attribute__((always_inline)) void pair_bf16(
     const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache, const int64_t *table,
     int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride,
     int64_t group, float scale, float *scores, uint16_t *out, int prefetch, int64_t masked,
-    const int halves) {
+    const float *sinks, const int halves) {
     const int64_t head_dim = 32 * halves, at_once = HEADS_AT_ONCE(halves);
     float inverse_total[MAX_GROUP];
     group_scores(q, k_cache, v_cache, table, len, block_size, block_stride, token_stride, group,
                  scale, scores, prefetch, halves);
     mask_leading(scores, group, len, masked);
     for (int64_t g = 0; g < group; g++)
-        inverse_total[g] = 1.0f / exponentiate(scores + g * len, len);
+        inverse_total[g] = 1.0f / exponentiate(scores + g * len, len, sink_of(sinks, g));
     for (int64_t g = 0, n; g < group; g += n) {
         n = group - g < at_once ? group - g : at_once;
 #define HEADS(count)                                                                       \
@@ -84,13 +91,13 @@ static inline __attribute__((always_inline)) void pair_bf16(
 /* q [rows, q_row_stride] (each row's n_heads x head_dim contiguous); caches
  * [blocks, block_size, n_kv, head_dim]; block_tables [rows, table_stride]; out
  * [rows, n_heads, head_dim]; window: attend to the last `window` tokens only, or 0 for
- * all. Returns 0, or 1 for shapes past the fixed buffers, 2 when
- * out of memory. */
+ * all; sinks [n_heads] fp32: each query head's sink logit (gpt-oss), or NULL. Returns 0,
+ * or 1 for shapes past the fixed buffers, 2 when out of memory. */
 static inline __attribute__((always_inline)) int paged_decode(
     const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,
     const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens, void *out,
     int64_t rows, int64_t n_heads, int64_t n_kv, int64_t head_dim, int64_t block_size,
-    float scale, int64_t window, int bf16) {
+    float scale, int64_t window, const float *sinks, int bf16) {
     const int64_t group = n_heads / n_kv;
     if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP) return 1;
     const int64_t token_stride = n_kv * head_dim, block_stride = block_size * token_stride;
@@ -114,6 +121,7 @@ static inline __attribute__((always_inline)) int paged_decode(
             const int64_t skipped_blocks = skip / block_size, masked = skip % block_size;
             const int64_t len = seq_lens[r] - skipped_blocks * block_size;
             const int64_t *table = block_tables + r * table_stride + skipped_blocks;
+            const float *head_sinks = sinks ? sinks + h * group : NULL;
 #if FAST_PAIRS
             if (bf16 && (head_dim == 64 || head_dim == 128)) {
                 const uint16_t *qh = (const uint16_t *)q + r * q_row_stride + h * group * head_dim;
@@ -129,10 +137,10 @@ static inline __attribute__((always_inline)) int paged_decode(
                                  table[0] != block_tables[(r - 1) * table_stride];
                 if (head_dim == 64)
                     pair_bf16(qh, kh, vh, table, len, block_size, block_stride, token_stride,
-                              group, scale, scores, oh, cold, masked, 2);
+                              group, scale, scores, oh, cold, masked, head_sinks, 2);
                 else
                     pair_bf16(qh, kh, vh, table, len, block_size, block_stride, token_stride,
-                              group, scale, scores, oh, cold, masked, 4);
+                              group, scale, scores, oh, cold, masked, head_sinks, 4);
                 continue;
             }
 #endif
@@ -155,7 +163,7 @@ static inline __attribute__((always_inline)) int paged_decode(
             }
             mask_leading(scores, group, len, masked);
             for (int64_t g = 0; g < group; g++) {
-                softmax(scores + g * len, len);
+                softmax(scores + g * len, len, sink_of(head_sinks, g));
                 memset(acc[g], 0, sizeof(float) * head_dim);
             }
             for (int64_t b = 0, t = 0; t < len; b++) { /* the weighted sum of the values */
@@ -183,10 +191,10 @@ static inline __attribute__((always_inline)) int paged_decode(
     const void *q, int64_t q_row_stride, const void *k_cache, const void *v_cache,         \
         const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,         \
         void *out, int64_t rows, int64_t n_heads, int64_t n_kv, int64_t head_dim,           \
-        int64_t block_size, float scale, int64_t window
+        int64_t block_size, float scale, int64_t window, const float *sinks
 #define PASS                                                                               \
     q, q_row_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, rows,     \
-        n_heads, n_kv, head_dim, block_size, scale, window
+        n_heads, n_kv, head_dim, block_size, scale, window, sinks
 
 int paged_decode_bf16(ARGS) { return paged_decode(PASS, 1); }
 

@@ -70,10 +70,11 @@ static inline float sum_lanes(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
-/* s[t] = e^(s[t] - top) for t < len, top their largest; returns their sum. */
-static inline float exponentiate(float *s, int64_t len) {
-    float top = s[0];
-    for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
+/* s[t] = e^(s[t] - top) for t < len, top the largest of them and `sink`; returns their sum
+ * plus e^(sink - top), an attention sink's share of the denominator (-INFINITY: none). */
+static inline float exponentiate(float *s, int64_t len, float sink) {
+    float top = sink;
+    for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
     const __m256 shift = _mm256_set1_ps(top);
     __m256 total = _mm256_setzero_ps();
     int64_t t = 0;
@@ -88,7 +89,7 @@ static inline float exponentiate(float *s, int64_t len) {
         _mm256_maskstore_ps(s + t, tail, e);
         total = _mm256_add_ps(total, _mm256_and_ps(e, _mm256_castsi256_ps(tail)));
     }
-    return sum_lanes(total);
+    return sum_lanes(total) + expf(sink - top);
 }
 
 /* scores[g * len + t] = scale q_g . k_t for the `group` query heads of q (head_dim = 32

@@ -75,15 +75,18 @@ static inline __m512 exp_negative(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* s[t] = e^(s[t] - top) for t < len, top their largest; returns their sum. The softmax's
- * division is left to the weighted values (one per output instead of one per score). */
-static inline float exponentiate(float *s, int64_t len) {
+/* s[t] = e^(s[t] - top) for t < len, top the largest of them and `sink`; returns their sum
+ * plus e^(sink - top) (an attention sink's share of the denominator; -INFINITY: none). The
+ * softmax's division is left to the weighted values (one per output instead of one per
+ * score). */
+static inline float exponentiate(float *s, int64_t len, float sink) {
     __m512 top = _mm512_set1_ps(-INFINITY);
     int64_t t = 0;
     for (; t + 16 <= len; t += 16) top = _mm512_max_ps(top, _mm512_loadu_ps(s + t));
     const __mmask16 tail = (__mmask16)((1u << (len - t)) - 1);
     top = _mm512_mask_max_ps(top, tail, top, _mm512_maskz_loadu_ps(tail, s + t));
-    const __m512 shift = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    const float most = _mm512_reduce_max_ps(top), highest = sink > most ? sink : most;
+    const __m512 shift = _mm512_set1_ps(highest);
     __m512 total = _mm512_setzero_ps();
     for (t = 0; t + 16 <= len; t += 16) {
         const __m512 e = exp_negative(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
@@ -95,7 +98,7 @@ static inline float exponentiate(float *s, int64_t len) {
         _mm512_mask_storeu_ps(s + t, tail, e);
         total = _mm512_mask_add_ps(total, tail, total, e);
     }
-    return _mm512_reduce_add_ps(total);
+    return _mm512_reduce_add_ps(total) + expf(sink - highest);
 }
 
 /* scale q . k for 16 keys, one per lane; q is `halves` vectors of bf16 pairs. Lane j

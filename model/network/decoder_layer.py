@@ -82,6 +82,9 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(q_width, config.norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(k_width, config.norm_eps) if qk_norm else None
         self.o_proj = nn.Linear(config.q_size, config.dim, bias=False)
+        self.o_bias = nn.Parameter(torch.zeros(config.dim)) if config.o_bias else None
+        # gpt-oss: a logit per query head that joins its softmax's denominator.
+        self.sinks = nn.Parameter(torch.zeros(config.n_heads)) if config.attention_sinks else None
         self.post_attention_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.moe = SparseMoE(config) if config.is_sparse(index) else None
         dense = self.moe is None
@@ -113,7 +116,7 @@ class DecoderLayer(nn.Module):
         norms = (self.input_layernorm, self.post_attention_layernorm, self.q_norm, self.k_norm)
         norms += (self.attn_out_norm, self.ffn_out_norm)
         tensors = [n.weight for n in norms if n is not None]
-        tensors += [self.qkv_bias] if self.qkv_bias is not None else []
+        tensors += [b for b in (self.qkv_bias, self.o_bias) if b is not None]
         linears = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
         projections = [_native_weight(p) for p in linears if p is not None]
         fits = (
@@ -152,7 +155,9 @@ class DecoderLayer(nn.Module):
                 out = self.native.decode(h, *rope, k_cache, v_cache, decodes, scale, window)
             if out is None:
                 q, k, v = self.native.attention_input(h, *rope)
-                attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
+                attn = attention.forward(
+                    q, k, v, k_cache, v_cache, batch, plan, scale, window, self.sinks
+                )
                 out = self.native.attention_output(h, attn)
             if self.moe is not None:  # the C layer stopped after attention's residual
                 out = self.moe.residual(out, self.post_attention_layernorm)
@@ -174,8 +179,9 @@ class DecoderLayer(nn.Module):
         qk = rotated if rotated is not None else apply_rope(qk, *rope)
         q, k = qk.split([c.n_heads, c.n_kv_heads], dim=1)
         v = v.reshape(-1, c.n_kv_heads, c.head_dim)
-        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
-        h = h + self._added(self.o_proj(attn.reshape(-1, c.q_size)), self.attn_out_norm)
+        attn = attention.forward(q, k, v, k_cache, v_cache, batch, plan, scale, window, self.sinks)
+        out = self._added(self.o_proj(attn.reshape(-1, c.q_size)), self.attn_out_norm)
+        h = h + (out if self.o_bias is None else out + self.o_bias)
         return h + self._added(self._mlp(self.post_attention_layernorm(h)), self.ffn_out_norm)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:

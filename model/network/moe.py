@@ -1,6 +1,8 @@
-"""A mixture-of-experts MLP (Qwen3-MoE, OLMoE, Mixtral): a softmax router in fp32 picks the top
-`n_experts_used` of `n_experts` SwiGLU experts for each token, their weights renormalised
-to sum to 1 where the config says so, and the token's output is the weighted sum of theirs.
+"""A mixture-of-experts MLP (Qwen3-MoE, OLMoE, Mixtral, gpt-oss): a softmax router in fp32 picks
+the top `n_experts_used` of `n_experts` SwiGLU experts for each token, their weights
+renormalised to sum to 1 where the config says so (gpt-oss's softmax over its top-k logits is
+that renormalisation), and the token's output is the weighted sum of theirs. gpt-oss's
+router and experts carry biases and its experts clamp their gate, in both paths.
 
 A step's token slots are grouped by expert (sorted by expert id), so each chosen expert
 runs once over all the tokens that chose it and its weights are read once per step
@@ -29,25 +31,43 @@ from model.native.moe import NativeMoeExperts
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert, gate and up fused into one matmul."""
+    """One SwiGLU expert, gate and up fused into one matmul; gpt-oss's with biases (kept
+    beside the projections: quantised ones have none) and its clamped gate."""
 
-    def __init__(self, dim: int, ffn_dim: int) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        dim, ffn_dim = config.dim, config.expert_ffn_dim
         self.gate_up_proj = nn.Linear(dim, 2 * ffn_dim, bias=False)
         self.down_proj = nn.Linear(ffn_dim, dim, bias=False)
+        bias = config.expert_bias
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(2 * ffn_dim)) if bias else None
+        self.down_proj_bias = nn.Parameter(torch.empty(dim)) if bias else None
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if self.gate_up_proj_bias is not None:
+            gate_up = gate_up + self.gate_up_proj_bias
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.limit is None:
+            out = self.down_proj(F.silu(gate) * up)
+        else:
+            gate = gate.clamp(max=self.limit)
+            up = up.clamp(-self.limit, self.limit)
+            glu = gate * torch.sigmoid(gate * self.alpha)  # in transformers' order of ops
+            out = self.down_proj((up + 1) * glu)
+        return out if self.down_proj_bias is None else out + self.down_proj_bias
 
 
 class Router(nn.Module):
-    """The router's weight, [n_experts, dim]; not a linear layer, so it is never quantised:
-    a rounded router can pick other experts, a larger error than any rounded expert's."""
+    """The router's weight, [n_experts, dim], and gpt-oss's bias; not a linear layer, so it
+    is never quantised: a rounded router can pick other experts, a larger error than any
+    rounded expert's."""
 
-    def __init__(self, n_experts: int, dim: int) -> None:
+    def __init__(self, n_experts: int, dim: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_experts, dim))
+        self.bias = nn.Parameter(torch.empty(n_experts)) if bias else None
 
 
 class SparseMoE(nn.Module):
@@ -55,10 +75,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = config.n_experts_used
         self.norm_topk_prob = config.norm_topk_prob
-        self.router = Router(config.n_experts, config.dim)
-        self.experts = nn.ModuleList(
-            Expert(config.dim, config.expert_ffn_dim) for _ in range(config.n_experts)
-        )
+        self.router = Router(config.n_experts, config.dim, config.expert_bias)
+        self.experts = nn.ModuleList(Expert(config) for _ in range(config.n_experts))
+        self.limit, self.alpha = config.swiglu_limit, config.swiglu_alpha
         # The experts in one C call, set by `use_native` where every product has a C kernel.
         self.native: NativeMoeExperts | None = None
 
@@ -72,7 +91,25 @@ class SparseMoE(nn.Module):
             return False
         ffn = self.experts[0].down_proj.in_features
         dim = self.experts[0].down_proj.out_features
-        self.native = NativeMoeExperts(gate_up, down, self.top_k, dim, ffn)  # type: ignore[arg-type]
+        biases = None
+        if self.experts[0].gate_up_proj_bias is not None:  # gpt-oss: stacked for the C call
+            parts = ("gate_up_proj_bias", "down_proj_bias")
+            biases = tuple(
+                torch.stack([getattr(e, part).detach() for e in self.experts]).contiguous()
+                for part in parts
+            )
+            if any(b.dtype != torch.bfloat16 for b in biases):
+                return False
+        self.native = NativeMoeExperts(
+            gate_up,  # type: ignore[arg-type]
+            down,  # type: ignore[arg-type]
+            self.top_k,
+            dim,
+            ffn,
+            biases,  # type: ignore[arg-type]
+            self.limit,
+            self.alpha,
+        )
         return True
 
     def residual(
@@ -95,7 +132,10 @@ class SparseMoE(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]), as transformers routes: the
         logits in the activations' dtype, softmax and renormalisation in fp32."""
-        logits = F.linear(x, self.router.weight.to(x.dtype))
+        bias = self.router.bias
+        logits = F.linear(
+            x, self.router.weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
+        )
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -15,7 +15,9 @@ from model.checkpoint.file_blocks import FileBlocks
 
 # transformers' names of a mixture of experts' tensors (model/network/moe.py's are `moe.*`).
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.")
-_ROUTER = ".mlp.gate.weight"
+_ROUTER = re.compile(r"\.mlp\.gate\.(weight|bias)$")
+# gpt-oss's sinks: `self_attn.sinks` in transformers, `attn_sinks.weight` in a GGUF.
+_SINKS = re.compile(r"self_attn\.sinks(\.weight)?$")
 
 
 def _expert_part(name: str, expert_ffn_dim: int) -> tuple[str, int] | None:
@@ -28,11 +30,13 @@ def _expert_part(name: str, expert_ffn_dim: int) -> tuple[str, int] | None:
     return name.replace(m.group(0), f".moe.experts.{m.group(1)}.{ours}."), row
 
 
-def _expert_keys(layer: int, n_experts: int, expert_ffn_dim: int) -> set[str]:
+def _expert_keys(layer: int, n_experts: int, expert_ffn_dim: int, bias: bool) -> set[str]:
+    kinds = (".weight", "_bias") if bias else (".weight",)
     return {
-        f"layers.{layer}.moe.experts.{e}.{ours}.weight@{row}"
+        f"layers.{layer}.moe.experts.{e}.{ours}{kind}@{row}"
         for e in range(n_experts)
         for ours, row in (("gate_up_proj", 0), ("gate_up_proj", expert_ffn_dim), ("down_proj", 0))
+        for kind in kinds
     }
 
 
@@ -63,7 +67,7 @@ def load_named_weights(
         parts = attention if sparse else fused.values()
         expected |= {f"layers.{i}.{ours}.weight@{row}" for ours, row in parts}
         if sparse:
-            expected |= _expert_keys(i, c.n_experts, c.expert_ffn_dim)
+            expected |= _expert_keys(i, c.n_experts, c.expert_ffn_dim, c.expert_bias)
         if c.qkv_bias:
             expected |= {
                 f"layers.{i}.qkv_bias@{row}" for row in (0, c.q_size, c.q_size + c.kv_size)
@@ -82,13 +86,15 @@ def load_named_weights(
         expert = _expert_part(name, c.expert_ffn_dim)
         if expert is not None:
             name, row = expert
-        elif name.endswith(_ROUTER):
-            name = name.replace(_ROUTER, ".moe.router.weight")
+            name = name.replace("_proj.bias", "_proj_bias")
+        else:
+            name = _ROUTER.sub(r".moe.router.\1", name)
         for hf_part, (ours, offset) in fused.items():
             if expert is None and f".{hf_part}." in name:
                 name, row = name.replace(hf_part, ours), offset
                 break
-        name = name.replace("qkv_proj.bias", "qkv_bias")
+        name = name.replace("qkv_proj.bias", "qkv_bias").replace("o_proj.bias", "o_bias")
+        name = _SINKS.sub("sinks", name)
         name = name.replace("self_attn.q_norm", "q_norm").replace("self_attn.k_norm", "k_norm")
         key = f"{name}@{row}"
         row += block_row

@@ -41,6 +41,11 @@ class TensorParallel:
     def check(self, config: ModelConfig) -> None:
         """One sentence when the model's shapes do not split N ways."""
         n = self.size
+        if config.attention_sinks or config.expert_bias:
+            # Each rank would need its heads' sinks and the biases added once, not per rank.
+            raise UnsupportedModelError(
+                f"tensor parallelism does not split {config.architecture!r} models yet"
+            )
         if config.n_heads % n:
             raise UnsupportedModelError(
                 f"--tensor-parallel-size {n} does not divide the model's {config.n_heads} "

@@ -9,7 +9,9 @@ so the result depends only on the sequence itself, not on the grid it ran in, an
 grid depends only on shapes: CUDA graphs can capture it. The split count is a run-time
 argument, so contexts of every length share one compiled kernel. A sliding window (a
 run-time argument too, 0 for none) skips the blocks wholly before it and masks the rest
-of its first block; a split wholly before it contributes nothing.
+of its first block; a split wholly before it contributes nothing. Attention sinks
+(gpt-oss: a logit per query head in the denominator) join where the splits are merged, or
+at the end of the only split.
 
 Softmax and accumulation run in fp32 whatever the cache dtype."""
 
@@ -18,7 +20,7 @@ import triton
 import triton.language as tl
 
 from model.attention.kernels import MIN_DOT, next_power_of_2
-from model.attention.kernels.online_softmax import attend_block
+from model.attention.kernels.online_softmax import attend_block, join_sink
 
 
 @triton.jit
@@ -32,6 +34,7 @@ def _decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    sinks_ptr,
     scale,
     window,
     num_splits,
@@ -51,6 +54,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -88,7 +92,8 @@ def _decode_split_kernel(
         m, denom, acc = attend_block(
             q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
         )
-
+    if HAS_SINKS and SINGLE_SPLIT:  # else where the splits merge
+        m, denom, acc = join_sink(m, denom, acc, tl.load(sinks_ptr + heads, mask=head_ok))
     out = acc / tl.maximum(denom, 1e-30)[:, None]  # an empty split has acc = 0
     store_mask = head_ok[:, None] & dim_ok[None, :]
     if SINGLE_SPLIT:
@@ -107,6 +112,7 @@ def _decode_merge_kernel(
     part_lse_ptr,
     token_index_ptr,
     out_ptr,
+    sinks_ptr,
     num_splits,
     stride_ot,
     stride_oh,
@@ -114,6 +120,7 @@ def _decode_merge_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -124,6 +131,10 @@ def _decode_merge_kernel(
     row = (seq * N_HEADS + head) * num_splits + splits
     lse = tl.load(part_lse_ptr + row, mask=split_ok, other=float("-inf"))
     top = tl.max(lse, 0)
+    sink = float("-inf")
+    if HAS_SINKS:  # one more term of the denominator, with no value
+        sink = tl.load(sinks_ptr + head)
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     weights = tl.exp(lse - top)
     parts = tl.load(
@@ -131,7 +142,8 @@ def _decode_merge_kernel(
         mask=split_ok[:, None] & (dims[None, :] < HEAD_DIM),
         other=0.0,
     )
-    merged = tl.sum(weights[:, None] * parts, 0) / tl.maximum(tl.sum(weights, 0), 1e-30)
+    total = tl.sum(weights, 0) + tl.exp(sink - top)
+    merged = tl.sum(weights[:, None] * parts, 0) / tl.maximum(total, 1e-30)
     dest = out_ptr + token * stride_ot + head * stride_oh + dims
     tl.store(dest, merged.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
@@ -151,11 +163,11 @@ def paged_decode(
     scale: float,
     blocks_per_split: int,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """Attention of the query at row token_index[i] of q ([T, n_heads, head_dim]) over
-    sequence i's first seq_lens[i] cached tokens (its last `window` only, where given),
-    written to the same row of out. block_tables: [B, max_blocks]; the number of splits
-    follows from its width alone."""
+    """The query at row token_index[i] of q ([T, n_heads, head_dim]) attends to sequence i's
+    first seq_lens[i] cached tokens (its last `window` only; `sinks`: [n_heads] fp32 logits
+    in each denominator) into the same row of out; block_tables' width sets the splits."""
     num_seqs, max_blocks = block_tables.shape
     if num_seqs == 0:
         return
@@ -182,6 +194,7 @@ def paged_decode(
         out,
         part_out,
         part_lse,
+        q if sinks is None else sinks,  # never read without sinks
         scale,
         window,
         num_splits,
@@ -201,6 +214,7 @@ def paged_decode(
         BLOCK_SIZE=block_size,
         BLOCKS_PER_SPLIT=blocks_per_split,
         SINGLE_SPLIT=num_splits == 1,
+        HAS_SINKS=sinks is not None,
     )
     if num_splits > 1:
         _decode_merge_kernel[(num_seqs, n_heads)](
@@ -208,6 +222,7 @@ def paged_decode(
             part_lse,
             token_index,
             out,
+            q if sinks is None else sinks,
             num_splits,
             out.stride(0),
             out.stride(1),
@@ -215,6 +230,7 @@ def paged_decode(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=next_power_of_2(num_splits),
+            HAS_SINKS=sinks is not None,
         )
 
 
@@ -228,8 +244,10 @@ def paged_decode_reference(
     out: torch.Tensor,
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """The twin: one sequence at a time, its context gathered block by block, fp32."""
+    """The twin: one sequence at a time, its context gathered block by block, fp32; a
+    sink is one more score per head, dropped after the softmax."""
     n_heads, head_dim = q.shape[1], q.shape[2]
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     for i, (length, token) in enumerate(zip(seq_lens.tolist(), token_index.tolist(), strict=True)):
@@ -241,4 +259,7 @@ def paged_decode_reference(
         scores = torch.einsum("hd,lhd->hl", q[token].float(), keys) * scale
         if window:
             scores[:, : max(0, length - window)] = float("-inf")
-        out[token] = torch.einsum("hl,lhd->hd", scores.softmax(-1), values).to(out.dtype)
+        probs = scores.softmax(-1)
+        if sinks is not None:
+            probs = torch.cat([scores, sinks.float()[:, None]], dim=-1).softmax(-1)[:, :-1]
+        out[token] = torch.einsum("hl,lhd->hd", probs, values).to(out.dtype)

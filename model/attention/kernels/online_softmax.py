@@ -1,7 +1,7 @@
 """The step both attention kernels repeat for every KV block: scores of the query tile
 against the block's keys, then the online-softmax update of the running maximum, the
 denominator and the weighted sum of values (all fp32), so a context of any length is
-attended to in one pass without holding its scores."""
+attended to in one pass without holding its scores; and an attention sink's part in it."""
 
 import triton
 import triton.language as tl
@@ -25,3 +25,13 @@ def attend_block(q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, sc
     v = tl.load(v_cache_ptr + cache_offsets, mask=dim_ok[None, :], other=0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
     return m_new, denom, acc
+
+
+@triton.jit
+def join_sink(m, denom, acc, sink):
+    """An attention sink's logit (gpt-oss) joins the denominator, weighing no value: the
+    running state rescaled to the larger of its maximum and the sink. The sink is finite,
+    so a row that saw no key (m = -inf) gets a weight of 0 for its nothing."""
+    m_new = tl.maximum(m, sink)
+    alpha = tl.exp(m - m_new)
+    return m_new, denom * alpha + tl.exp(sink - m_new), acc * alpha[:, None]

@@ -5,14 +5,15 @@ this runs, so the whole context is read through the block table, page by page.
 
 One program serves one (sequence, query head, tile of BLOCK_M new tokens); it stops at the
 last key its tile's final query can see, and with a sliding window (0 for none) starts at
-the block of the first key its first query sees. Softmax and accumulation in fp32."""
+the block of the first key its first query sees; a head's attention sink (gpt-oss) joins the
+denominator after the last block. Softmax and accumulation in fp32."""
 
 import torch
 import triton
 import triton.language as tl
 
 from model.attention.kernels import MIN_DOT, next_power_of_2
-from model.attention.kernels.online_softmax import attend_block
+from model.attention.kernels.online_softmax import attend_block, join_sink
 
 BLOCK_M = 16
 
@@ -27,6 +28,7 @@ def _prefill_kernel(
     query_starts_ptr,
     query_lens_ptr,
     out_ptr,
+    sinks_ptr,
     scale,
     window,
     stride_qt,
@@ -42,6 +44,7 @@ def _prefill_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -85,6 +88,8 @@ def _prefill_kernel(
             q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
         )
 
+    if HAS_SINKS:
+        m, denom, acc = join_sink(m, denom, acc, tl.load(sinks_ptr + head))
     out = acc / tl.maximum(denom, 1e-30)[:, None]
     dest = out_ptr + (query_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
     tl.store(dest, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
@@ -102,11 +107,12 @@ def paged_prefill(
     out: torch.Tensor,
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """Sequence i's query_lens[i] new tokens sit at rows query_starts[i]... of q
     ([T, n_heads, head_dim]) and are the last of its seq_lens[i] cached tokens; their
-    attention (to their last `window` positions only, where given) goes to the same rows
-    of out."""
+    attention (to their last `window` positions only, where given; with `sinks`, [n_heads]
+    fp32 logits in each denominator) goes to the same rows of out."""
     num_seqs = block_tables.shape[0]
     if num_seqs == 0:
         return
@@ -122,6 +128,7 @@ def paged_prefill(
         query_starts,
         query_lens,
         out,
+        q if sinks is None else sinks,  # never read without sinks
         scale,
         window,
         q.stride(0),
@@ -137,6 +144,7 @@ def paged_prefill(
         BLOCK_D=max(MIN_DOT, next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
         BLOCK_M=BLOCK_M,
+        HAS_SINKS=sinks is not None,
     )
 
 
@@ -151,8 +159,10 @@ def paged_prefill_reference(
     out: torch.Tensor,
     scale: float,
     window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> None:
-    """The twin: one sequence at a time, an explicit causal mask, fp32."""
+    """The twin: one sequence at a time, an explicit causal mask, fp32; a sink is one more
+    score per head, dropped after the softmax."""
     n_heads, head_dim = q.shape[1], q.shape[2]
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
     rows = zip(seq_lens.tolist(), query_starts.tolist(), query_lens.tolist(), strict=True)
@@ -170,5 +180,9 @@ def paged_prefill_reference(
         if window:
             causal &= key_pos > q_pos[:, None] - window
         scores = scores.masked_fill(~causal, float("-inf"))
-        attn = torch.einsum("hnl,lhd->nhd", scores.softmax(-1), values)
+        probs = scores.softmax(-1)
+        if sinks is not None:
+            sink = sinks.float()[:, None, None].expand(-1, count, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        attn = torch.einsum("hnl,lhd->nhd", probs, values)
         out[start : start + count] = attn.to(out.dtype)
