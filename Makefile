@@ -27,8 +27,14 @@ $(STAMP): pyproject.toml
 serve: $(STAMP)
 	$(VENV)/bin/llamaserve serve $(ARGS)
 
+# TEST_WORKERS processes share the cores (tests/conftest.py gives each its share of threads),
+# a test file to a process; the tests marked `serial` time what another process would
+# disturb, so they run after the others, alone (where ARGS names none of them, that is not
+# a failure).
+TEST_WORKERS ?= 2
 test: $(STAMP) $(ROUTER_STAMP) $(DOCS_STAMP)
-	$(PY) -m pytest -x -q $(ARGS)
+	$(PY) -m pytest -x -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" $(ARGS)
+	$(PY) -m pytest -x -q -m serial $(ARGS) || [ $$? -eq 5 ]
 
 # MkDocs for the documentation site, which the tests build too.
 $(DOCS_STAMP): $(STAMP)

@@ -23,8 +23,11 @@ pytest_plugins = [
 ]
 
 # More BLAS threads than free cores makes every op wait at a barrier (tens of times
-# slower); LLAMASERVE_TEST_THREADS=1 when something else is busy on the machine.
-torch.set_num_threads(int(os.environ.get("LLAMASERVE_TEST_THREADS", min(2, os.cpu_count() or 1))))
+# slower): under pytest-xdist (make test) the workers share the cores between them;
+# LLAMASERVE_TEST_THREADS=1 when something else is busy on the machine.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(int(os.environ.get("LLAMASERVE_TEST_THREADS", _THREADS)))
 
 # MKL's conditional numerical reproducibility for this process's float32 products (the
 # references: transformers, and the float32 model the engine is checked against): a

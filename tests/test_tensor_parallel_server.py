@@ -217,6 +217,7 @@ def test_killed_worker_ends_streams_with_an_error_and_the_server(tiny, tmp_path)
     assert lines[-1] == "llamaserve: tensor-parallel worker rank 1 exited (exit code -9); stopped"
 
 
+@pytest.mark.serial  # its 3 s deadline also bounds the workers' start-up
 def test_hung_worker_is_a_bounded_wait(tiny, tmp_path) -> None:
     """A stopped (SIGSTOP) worker never answers: rank 0's collective gives up after
     --distributed-timeout, the stream ends with an error and nothing is left running."""

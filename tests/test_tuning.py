@@ -14,6 +14,9 @@ import torch
 
 from model.plan import tuning
 
+# Measurements here must see a quiet machine or a busy one on purpose: no test beside them.
+pytestmark = pytest.mark.serial
+
 
 @pytest.fixture
 def store(tmp_path, monkeypatch):
