@@ -150,6 +150,8 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's name; reaches a template that reads `reasoning_effort` (gpt-oss's).
+    reasoning_effort: Literal["low", "medium", "high"] | None = None
 
 
 class TokenizeRequest(LenientModel):

@@ -10,7 +10,7 @@ with a 400 naming the field, never quietly ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
@@ -56,6 +56,11 @@ class FunctionTool(LenientModel):
     strict: bool | None = None
 
 
+class ReasoningConfig(LenientModel):
+    # Reaches the chat template as chat's `reasoning_effort` does; `summary` is not written.
+    effort: Literal["low", "medium", "high"] | None = None
+
+
 class ResponsesRequest(LenientModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -64,6 +69,7 @@ class ResponsesRequest(LenientModel):
     temperature: float | None = None
     top_p: float | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -120,6 +126,7 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         tools=[_chat_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
         tool_choice=_chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,
+        reasoning_effort=req.reasoning.effort if req.reasoning else None,
     )
 
 
