@@ -84,7 +84,14 @@ def write_harmony_tokenizer(directory: Path) -> None:
     chars = _gpt2_chars()
     for i in range(NUM_BPE - len(vocab)):
         vocab[_byte_level(b"\xff" + i.to_bytes(3, "big"), chars)] = len(vocab)
-    specials = sorted(spec["special_tokens"].items(), key=lambda item: item[1])
+    # tiktoken's table names 200018 twice (o200k_base's `<|endofprompt|>` and a reserved
+    # slot); gpt-oss's tokenizer.json keeps the real name.
+    name_of: dict[int, str] = {}
+    for text, token_id in spec["special_tokens"].items():
+        if token_id not in name_of or name_of[token_id].startswith("<|reserved_"):
+            name_of[token_id] = text
+    specials = sorted((text, token_id) for token_id, text in name_of.items())
+    specials.sort(key=lambda item: item[1])
     tokenizer["added_tokens"] = [
         {
             "id": token_id,

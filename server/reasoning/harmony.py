@@ -65,10 +65,12 @@ class HarmonySplitter:
         self._pending = ""
         self._kind = "content"
         self._any_message = False
+        self._header_tokens = 0  # tokens of a header whose channel is not known yet
 
     def feed(self, text: str, num_tokens: int = 0, final: bool = False) -> list[Piece]:
         """The pieces `text` completes; `final` flushes what was held back. A step's tokens
-        count as reasoning when its text reached into an analysis message."""
+        count as reasoning when its text reached into an analysis message, and so do those
+        of that message's header."""
         self._pending += text
         touched = self.phase is Phase.BODY and self._kind == "reasoning"
         pieces: list[Piece] = []
@@ -80,6 +82,8 @@ class HarmonySplitter:
                 break
         if touched:
             self.reasoning_tokens += num_tokens
+        elif self.phase is Phase.HEADER:
+            self._header_tokens += num_tokens
         if final and self.phase is Phase.HEADER and not self._any_message:
             # Not harmony: no message header ever completed, so the text is the answer.
             if self._pending.strip():
@@ -94,6 +98,9 @@ class HarmonySplitter:
             if cut == -1:
                 return
             self._kind, name = message_kind(pending[:cut])
+            if self._kind == "reasoning":
+                self.reasoning_tokens += self._header_tokens
+            self._header_tokens = 0
             if name:
                 pieces.append(("call", name))
             self._pending = pending[cut + len(MESSAGE) :]
