@@ -206,3 +206,16 @@ def test_messages_reads_the_channels(server, analysis_written, stream) -> None:
     assert [block.type for block in message.content] == ["thinking"]
     assert message.content[0].thinking == analysis_written
     assert message.stop_reason == "max_tokens"
+
+
+def test_response_format_holds_the_final_message(client) -> None:
+    schema = {"name": "weather", "schema": PARAMS}
+    choice = client.chat.completions.create(
+        model="m",
+        messages=USER,
+        response_format={"type": "json_schema", "json_schema": schema},
+        max_tokens=100,
+        logit_bias=END_THINKING,
+    ).choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PARAMS)
