@@ -119,7 +119,7 @@ CONVERSATIONS = {
     "developer": [
         {"role": "developer", "content": "Answer in one line."},
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": "", "tool_calls": [CALL]},
+        {"role": "assistant", "thinking": THINK, "tool_calls": [CALL]},
         {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
     ],
     "system": [
@@ -140,6 +140,8 @@ def test_prompts_are_the_templates_as_transformers_renders_it(name, tok, hf_tok,
     history = CONVERSATIONS[name]
     wire = json.loads(json.dumps(history))  # the client sends arguments as a JSON string
     for message in wire:
+        if "thinking" in message:  # sent back in the field our answers carry it in
+            message["reasoning_content"] = message.pop("thinking")
         for call in message.get("tool_calls", []):
             call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
     req = ChatCompletionRequest(messages=wire, tools=TOOLS, reasoning_effort="high")
@@ -150,6 +152,7 @@ def test_prompts_are_the_templates_as_transformers_renders_it(name, tok, hf_tok,
     )
     assert ids == list(expected)
     assert "Reasoning: high" in tok.decode(ids) and plan.format.name == "harmony"
+    assert (THINK in tok.decode(ids)) is (name == "developer")
     assert template_reasoning(template) is HARMONY
 
 

@@ -115,6 +115,10 @@ class ChatMessage(LenientModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # An assistant's reasoning sent back (our answers' own field names); only a template
+    # that reads `message.thinking` (gpt-oss's, before a call) is given it.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     def text(self) -> str:
         if self.content is None:

@@ -61,7 +61,8 @@ def tool_messages(
     """(message dicts, extra template variables) for the chat template."""
     if template.reads("tools") and not isinstance(template, Llama3ChatFormat):
         variables = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
-        return [_native_message(m) for m in messages], variables
+        thinking = "message.thinking" in template.source
+        return [_native_message(m, thinking) for m in messages], variables
     fmt = call_format(template)
     dicts = [_inline_message(m, fmt, bool(tools)) for m in messages]
     if not tools:
@@ -83,8 +84,11 @@ def tool_messages(
     return dicts, {}
 
 
-def _native_message(message: ChatMessage) -> dict[str, Any]:
+def _native_message(message: ChatMessage, thinking: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    reasoning = message.reasoning_content or message.reasoning
+    if thinking and message.role == "assistant" and reasoning:
+        out["thinking"] = reasoning  # gpt-oss's template writes it as the analysis message
     if message.name is not None and message.role == "tool":
         out["name"] = message.name
     if message.tool_calls:
