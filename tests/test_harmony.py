@@ -231,7 +231,7 @@ def test_a_call_cut_by_max_tokens(hf_tok, tok) -> None:
     cut = pieces[: len(pieces) - 3]
     written = "".join(cut).rpartition("<|message|>")[2]
     message, finish, _ = whole(cut, "length")
-    assert finish == "length"
+    assert (finish, message["content"], message["reasoning_content"]) == ("length", None, None)
     assert message["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": written}
     assert streamed(cut)["arguments"] == written and written
 

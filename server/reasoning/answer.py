@@ -66,8 +66,8 @@ class AnswerParts:
     def content_and_calls(self, plan: ToolPlan | None) -> tuple[str | None, list[ParsedCall]]:
         """The answer's content and its calls: from harmony's channels, or parsed from the
         content when the request offered tools."""
-        if self.calls is not None:
-            return self.content, list(self.calls)
+        if self.calls is not None:  # content beside calls is null, as OpenAI sends it
+            return (self.content or None) if self.calls else self.content, list(self.calls)
         if plan is None:
             return self.content, []
         return parse_tool_calls(self.content, plan)
