@@ -9,6 +9,7 @@ tool call ended by `<|call|>`, whole and streamed, on chat, Responses and Messag
 import json
 
 import anthropic
+import httpx
 import jsonschema
 import pytest
 from openai import OpenAI
@@ -219,3 +220,12 @@ def test_response_format_holds_the_final_message(client) -> None:
     ).choices[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), PARAMS)
+
+
+def test_an_unknown_reasoning_effort_is_a_400(server) -> None:
+    chat = {"model": "m", "messages": USER, "reasoning_effort": "extreme"}
+    responses = {"model": "m", "input": "hi", "reasoning": {"effort": "extreme"}}
+    for path, body in (("chat/completions", chat), ("responses", responses)):
+        reply = httpx.post(f"{server.v1}/{path}", json=body)
+        assert reply.status_code == 400, reply.text
+        assert "effort" in reply.json()["error"]["message"]
