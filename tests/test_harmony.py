@@ -17,6 +17,7 @@ from model.text.chat_template import ChatTemplate
 from model.text.detokenizer import IncrementalDetokenizer
 from model.text.pretokenizer import O200K_PATTERN
 from model.text.tokenizer_files import tokenizer_from_gguf, tokenizer_from_hf_dir
+from server.edge.errors import APIError
 from server.reasoning.answer import AnswerParts, AnswerStream
 from server.reasoning.formats import HARMONY, template_reasoning
 from server.routes.chat import assistant_message
@@ -145,7 +146,7 @@ def test_prompts_are_the_templates_as_transformers_renders_it(name, tok, hf_tok,
         for call in message.get("tool_calls", []):
             call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
     req = ChatCompletionRequest(messages=wire, tools=TOOLS, reasoning_effort="high")
-    state = SimpleNamespace(chat_template=template, tokenizer=tok)
+    state = SimpleNamespace(chat_template=template, tokenizer=tok, reasoning=HARMONY)
     ids, plan = chat_prompt(req, state)
     expected = hf_tok.apply_chat_template(
         history, tools=TOOLS, reasoning_effort="high", add_generation_prompt=True, return_dict=False
@@ -239,3 +240,12 @@ def test_a_call_cut_by_max_tokens(hf_tok, tok) -> None:
 def test_output_that_is_not_harmony_is_content() -> None:
     message, finish, _ = whole(["Just ", "text."], "stop")
     assert (message["content"], message["reasoning_content"]) == ("Just text.", None)
+
+
+def test_tools_without_the_harmony_parser_are_a_400(tok, template) -> None:
+    """With `--reasoning-parser none` nothing reads the channels a call is written in."""
+    req = ChatCompletionRequest(messages=CONVERSATIONS["developer"][:2], tools=TOOLS)
+    state = SimpleNamespace(chat_template=template, tokenizer=tok, reasoning=None)
+    with pytest.raises(APIError) as refused:
+        chat_prompt(req, state)
+    assert (refused.value.status, refused.value.param) == (400, "tools")

@@ -68,6 +68,14 @@ def chat_prompt(
     kwargs = req.chat_template_kwargs
     if state.chat_template is not None:
         plan = tool_plan(req, call_format(state.chat_template))
+        channels = state.reasoning is not None and state.reasoning.channels
+        if plan is not None and plan.format is HARMONY and not channels:
+            raise APIError(
+                400,
+                "tools: this model writes its calls in harmony's channels, which the server "
+                "reads only under --reasoning-parser openai_gptoss (or auto)",
+                "tools",
+            )
         if req.reasoning_effort is not None and state.chat_template.reads("reasoning_effort"):
             kwargs = {**(kwargs or {}), "reasoning_effort": req.reasoning_effort}
     ids = render_chat(
