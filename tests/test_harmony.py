@@ -25,6 +25,7 @@ from server.routes.chat_inputs import chat_prompt
 from server.routes.messages_reply import content_blocks
 from server.routes.protocol import ChatCompletionRequest
 from server.routes.responses import output_items
+from server.routes.responses_protocol import ResponsesRequest, chat_request
 from tests.harmony_model import o200k_harmony, write_harmony_tokenizer
 
 HARMONY_TOKENS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>")
@@ -249,3 +250,28 @@ def test_tools_without_the_harmony_parser_are_a_400(tok, template) -> None:
     with pytest.raises(APIError) as refused:
         chat_prompt(req, state)
     assert (refused.value.status, refused.value.param) == (400, "tools")
+
+
+def test_responses_input_sends_reasoning_back(tok, hf_tok, template) -> None:
+    """A Responses conversation sent back whole, its reasoning item included, renders as
+    the chat conversation with the assistant's `thinking` does in transformers."""
+    arguments = json.dumps(CALL["function"]["arguments"])
+    items = [
+        {"type": "message", "role": "user", "content": "Weather in Paris?"},
+        {"type": "reasoning", "content": [{"type": "reasoning_text", "text": THINK}]},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": arguments},
+        {"type": "function_call_output", "call_id": "c1", "output": "21 C"},
+    ]
+    tool = {"type": "function", **TOOLS[0]["function"]}
+    req = chat_request(ResponsesRequest(input=items, tools=[tool]))
+    state = SimpleNamespace(chat_template=template, tokenizer=tok, reasoning=HARMONY)
+    ids, _ = chat_prompt(req, state)
+    history = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "thinking": THINK, "tool_calls": [CALL]},
+        {"role": "tool", "content": "21 C"},
+    ]
+    expected = hf_tok.apply_chat_template(
+        history, tools=TOOLS, add_generation_prompt=True, return_dict=False
+    )
+    assert ids == list(expected) and THINK in tok.decode(ids)

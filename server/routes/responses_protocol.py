@@ -1,6 +1,7 @@
 """The request side of OpenAI's Responses API (`POST /v1/responses`), stateless: its
 pydantic model, and its translation into the chat request the chat path already serves
-(input items to messages, `instructions` to a system message, `text.format` to
+(input items to messages, an earlier answer's reasoning item to that turn's
+reasoning, `instructions` to a system message, `text.format` to
 `response_format`, flat function tools to chat tools).
 
 Anything that would need state kept between requests (`store: true`,
@@ -140,7 +141,17 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
                 raise APIError(400, f"input[{index}]: role {role!r} is not supported", "input")
-            messages.append(ChatMessage(role=role, content=_text(item.get("content"), index)))
+            text = _text(item.get("content"), index)
+            last = messages[-1] if messages else None
+            if role == "assistant" and _reasoning_only(last):
+                last.content = text  # the answer that followed its reasoning item
+            else:
+                messages.append(ChatMessage(role=role, content=text))
+        elif kind == "reasoning":
+            # An earlier answer's reasoning item, sent back: the assistant turn's reasoning.
+            parts = item.get("content") or []
+            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            messages.append(ChatMessage(role="assistant", reasoning_content=thought or None))
         elif kind == "function_call":
             call = ToolCall(
                 id=item.get("call_id"),
@@ -165,6 +176,15 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
         else:
             raise APIError(400, f"input[{index}]: item type {kind!r} is not supported", "input")
     return messages
+
+
+def _reasoning_only(message: ChatMessage | None) -> bool:
+    return (
+        message is not None
+        and message.role == "assistant"
+        and message.content is None
+        and not message.tool_calls
+    )
 
 
 def _text(content: Any, index: int) -> str:
