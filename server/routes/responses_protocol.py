@@ -149,9 +149,14 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
                 messages.append(ChatMessage(role=role, content=text))
         elif kind == "reasoning":
             # An earlier answer's reasoning item, sent back: the assistant turn's reasoning.
+            # Only its text can be read: one with a summary or encrypted content alone is a 400.
             parts = item.get("content") or []
             thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
-            messages.append(ChatMessage(role="assistant", reasoning_content=thought or None))
+            if not thought:
+                raise APIError(
+                    400, f"input[{index}]: a reasoning item needs its reasoning_text", "input"
+                )
+            messages.append(ChatMessage(role="assistant", reasoning_content=thought))
         elif kind == "function_call":
             call = ToolCall(
                 id=item.get("call_id"),
