@@ -20,6 +20,19 @@ LLAMA3_PATTERN = (
     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")
+# o200k (GPT-4o, and gpt-oss's o200k_harmony), as tiktoken defines it: case-aware words that
+# keep a contraction, digits in threes, punctuation runs that take trailing newlines or '/'.
+O200K_PATTERN = "|".join(
+    [
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n/]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 
 # `tokenizer.ggml.pre` names, grouped as llama.cpp's llama-vocab.cpp groups them by regex.
 PATTERN_BY_GGUF_PRE = {
@@ -29,6 +42,7 @@ PATTERN_BY_GGUF_PRE = {
         ["llama-bpe", "llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"], LLAMA3_PATTERN
     ),
     **dict.fromkeys(["qwen2", "deepseek-r1-qwen", "stablelm2"], QWEN2_PATTERN),
+    "gpt-4o": O200K_PATTERN,  # what gpt-oss GGUFs name (llama.cpp: LLAMA_VOCAB_PRE_TYPE_GPT4O)
 }
 
 

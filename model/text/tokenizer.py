@@ -27,6 +27,10 @@ _END_OF_TURN_TOKENS = (
     "<|end_of_text|>",
     "<|endoftext|>",
     "<end_of_turn>",  # Gemma
+    # gpt-oss (harmony): the answer is done, or a tool call waits for its result. Its
+    # `<|end|>` only ends one message of the answer (as llama.cpp also sees it).
+    "<|return|>",
+    "<|call|>",
 )
 
 
@@ -107,6 +111,7 @@ class Tokenizer:
         self._build(token_bytes, ranks, rank_to_id, added, pattern, eos_id, bos_id, pad_id, add_bos)
         self._normalize_nfc = normalize_nfc
         self.stop_ids |= set(extra_stop_ids)
+        self._keep_harmony_going()
 
     @classmethod
     def from_ranks(
@@ -195,6 +200,12 @@ class Tokenizer:
         self.stop_ids |= {
             self.special_tokens[t] for t in _END_OF_TURN_TOKENS if t in self.special_tokens
         }
+        self._keep_harmony_going()
+
+    def _keep_harmony_going(self) -> None:
+        """A file may name harmony's `<|end|>` as end of turn; generation goes on past it."""
+        if {"<|return|>", "<|call|>", "<|end|>"} <= self.special_tokens.keys():
+            self.stop_ids.discard(self.special_tokens["<|end|>"])
 
     def encode(
         self, text: str, allow_special: bool = False, add_bos: bool | None = None

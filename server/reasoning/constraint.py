@@ -7,6 +7,10 @@ a new start rule lets the think block through (optional where the model opens it
 required where the prompt has opened it), then hands over to the original grammar,
 which llguidance keeps as a named sub-grammar. The block is one lexeme that ends at the
 first end tag (and up to two blanks after it), so nothing inside it is ever constrained.
+
+Under harmony (gpt-oss) the answer is the body of the `final` channel's message, and an
+`analysis` message may come first: special tokens are named in the grammar as llguidance
+reads them (`<|channel|>`), and the analysis body is one free lexeme ending at `<|end|>`.
 """
 
 from __future__ import annotations
@@ -24,6 +28,13 @@ def _lark_text(tag: str) -> str:
     return re.escape(tag).replace("/", "\\/")
 
 
+# An optional harmony analysis message, up to the next message's role (Lark rules).
+HARMONY_ANALYSIS = (
+    'analysis: <|channel|> "analysis" <|message|> ANALYSIS <|end|> <|start|> "assistant"\n'
+    "ANALYSIS: /(?s:.*)/\n"
+)
+
+
 def after_think_block(source: str, fmt: ReasoningFormat) -> str:
     """A grammar source as llguidance takes it (a top-level `{"grammars": [...]}` or Lark
     text) with the think block allowed before it."""
@@ -32,6 +43,10 @@ def after_think_block(source: str, fmt: ReasoningFormat) -> str:
     first = grammars[0]
     if not first.get("name"):
         first["name"] = ANSWER
+    if fmt.channels:
+        final = f'start: analysis? <|channel|> "final" <|message|> @{first["name"]}\n'
+        top["grammars"] = [{"lark_grammar": final + HARMONY_ANALYSIS}, *grammars]
+        return json.dumps(top)
     start, end = _lark_text(fmt.start_tag), _lark_text(fmt.end_tag)
     opening = f"({start})?" if fmt.starts_inside else start
     # `&` and `~` are llguidance's intersection and complement: the block ends at the

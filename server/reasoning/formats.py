@@ -5,7 +5,9 @@ and the one a chat template calls for when the flag leaves the choice to it.
 with no `<think>` is all answer (Qwen3 with `enable_thinking: false` finds an empty think
 block already in its prompt). `deepseek_r1`: the template ends the generation prompt with
 `<think>\\n`, so the output begins inside the block and everything up to `</think>` is
-reasoning, all of it when `</think>` never comes.
+reasoning, all of it when `</think>` never comes. `openai_gptoss` (vLLM's name for it):
+gpt-oss's harmony format, where the `analysis` channel is reasoning and `final` the answer,
+and tool calls are messages to `functions.NAME` (server/reasoning/harmony.py).
 """
 
 from __future__ import annotations
@@ -24,12 +26,23 @@ class ReasoningFormat:
     starts_inside: bool  # the prompt has opened the think block already
     start_tag: str = "<think>"
     end_tag: str = "</think>"
+    # Harmony's channels rather than a think block: the output is read with its special
+    # tokens (`<|channel|>` ...), and the answer's calls come from the channels too.
+    channels: bool = False
 
 
 FORMATS = {
     "qwen3": ReasoningFormat("qwen3", starts_inside=False),
     "deepseek_r1": ReasoningFormat("deepseek_r1", starts_inside=True),
+    "openai_gptoss": ReasoningFormat(
+        "openai_gptoss",
+        starts_inside=False,
+        start_tag="<|channel|>analysis<|message|>",
+        end_tag="<|end|>",
+        channels=True,
+    ),
 }
+HARMONY = FORMATS["openai_gptoss"]
 CHOICES = ("auto", "none", *FORMATS)
 
 
@@ -39,7 +52,10 @@ def template_reasoning(template: ChatTemplate | None) -> ReasoningFormat | None:
     A template whose generation prompt ends in an open `<think>` makes the model start
     inside the block (DeepSeek-R1 and its distills, Qwen3's thinking-only 2507 models).
     One that never opens it but mentions both tags and `enable_thinking` leaves the model
-    to open it (Qwen3). Anything else, one tag without the other included, is not plain."""
+    to open it (Qwen3). One that writes harmony's channels is gpt-oss's. Anything else, one
+    tag without the other included, is not plain."""
+    if template is not None and is_harmony(template):
+        return HARMONY
     if template is None or "<think>" not in template.source:
         return None
     try:
@@ -51,6 +67,12 @@ def template_reasoning(template: ChatTemplate | None) -> ReasoningFormat | None:
     if "</think>" in template.source and template.reads("enable_thinking"):
         return FORMATS["qwen3"]
     return None
+
+
+def is_harmony(template: ChatTemplate) -> bool:
+    """Whether the template writes harmony's messages (gpt-oss's): headers with channels."""
+    source = template.source
+    return all(tag in source for tag in ("<|start|>", "<|channel|>", "<|message|>", "analysis"))
 
 
 def reasoning_format(flag: str, template: ChatTemplate | None) -> ReasoningFormat | None:

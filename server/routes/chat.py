@@ -28,7 +28,7 @@ from server.routes.protocol import ChatCompletionRequest
 from server.routes.streaming import admit, merge, sse, unless_disconnected
 from server.routes.usage import usage
 from server.state import ServerState
-from server.structured.tool_calls import ToolPlan, parse_tool_calls
+from server.structured.tool_calls import ToolPlan
 
 
 def chat_logprobs(entries: list[TokenLogprob], state: ServerState) -> list[dict[str, Any]]:
@@ -78,9 +78,9 @@ def assistant_message(
         message["reasoning_content"] = message["reasoning"] = parts.reasoning
         if parts.reasoning is not None and not parts.content:
             message["content"] = None
-    if plan is None:
+    if plan is None and parts.calls is None:
         return message, reason
-    content, calls = parse_tool_calls(parts.content, plan)
+    content, calls = parts.content_and_calls(plan)
     message["content"] = content if content or parts.reasoning is None else None
     if not calls:
         return message, reason

@@ -17,8 +17,9 @@ from server.edge.errors import APIError
 from server.routes.engine_inputs import sampling_params
 from server.routes.protocol import ChatCompletionRequest, ChatMessage, Tool
 from server.state import ServerState
+from server.structured.harmony_calls import harmony_tool_grammar
 from server.structured.output_constraint import compile_constraint, request_grammar
-from server.structured.tool_calls import ToolPlan, tool_grammar, tool_plan
+from server.structured.tool_calls import HARMONY, ToolPlan, tool_grammar, tool_plan
 from server.structured.tool_prompt import call_format, tool_messages
 
 
@@ -64,14 +65,21 @@ def chat_prompt(
 ) -> tuple[list[int], ToolPlan | None]:
     """The prompt ids (tools included) and the tool plan; what a token count counts."""
     plan = None
+    kwargs = req.chat_template_kwargs
     if state.chat_template is not None:
         plan = tool_plan(req, call_format(state.chat_template))
+        channels = state.reasoning is not None and state.reasoning.channels
+        if plan is not None and plan.format is HARMONY and not channels:
+            raise APIError(
+                400,
+                "tools: this model writes its calls in harmony's channels, which the server "
+                "reads only under --reasoning-parser openai_gptoss (or auto)",
+                "tools",
+            )
+        if req.reasoning_effort is not None and state.chat_template.reads("reasoning_effort"):
+            kwargs = {**(kwargs or {}), "reasoning_effort": req.reasoning_effort}
     ids = render_chat(
-        req.messages,
-        state,
-        req.add_generation_prompt,
-        req.chat_template_kwargs,
-        plan.tools if plan else None,
+        req.messages, state, req.add_generation_prompt, kwargs, plan.tools if plan else None
     )
     return ids, plan
 
@@ -91,11 +99,18 @@ async def chat_inputs(
             raise APIError(
                 400, "response_format cannot be combined with a required tool call", "tool_choice"
             )
-        constraint = ("lark", tool_grammar(plan))
-        grammar = await compile_constraint(constraint, "tools", state, request_id, answer_only=True)
+        # Harmony's call grammar has the analysis message before the call in it.
+        harmony = plan.format is HARMONY
+        constraint = ("lark", harmony_tool_grammar(plan) if harmony else tool_grammar(plan))
+        grammar = await compile_constraint(
+            constraint, "tools", state, request_id, answer_only=not harmony
+        )
     else:
         grammar = await request_grammar(
             req.response_format, req.structured_outputs, state, request_id, chat=True
         )
     params = sampling_params(req, requested, n_logprobs, state, grammar=grammar, names=names)
+    if state.reasoning is not None and state.reasoning.channels:
+        # Harmony's parser reads the channels from the special tokens that delimit them.
+        params.skip_special_tokens = False
     return ChatInputs(ids, params, plan, names)

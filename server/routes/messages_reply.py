@@ -19,7 +19,7 @@ from typing import Any
 from model.text.tokenizer import Tokenizer
 from scheduler import RequestOutput
 from server.reasoning.answer import AnswerParts
-from server.structured.tool_calls import ToolPlan, parse_tool_calls
+from server.structured.tool_calls import ToolPlan
 
 STOP_REASONS = {"length": "max_tokens"}
 
@@ -65,8 +65,7 @@ def thinking_block(text: str) -> dict[str, Any]:
 
 
 def content_blocks(parts: AnswerParts, plan: ToolPlan | None) -> list[dict[str, Any]]:
-    text = parts.content
-    content, calls = (text, []) if plan is None else parse_tool_calls(text, plan)
+    content, calls = parts.content_and_calls(plan)
     blocks = [thinking_block(parts.reasoning)] if parts.reasoning is not None else []
     blocks += [{"type": "text", "text": content}] if content else []
     for call in calls:

@@ -23,7 +23,7 @@ from server.routes.responses_protocol import RESPONSES_PARAMS, ResponsesRequest,
 from server.routes.responses_stream import response_events
 from server.routes.streaming import admit, merge, unless_disconnected
 from server.state import ServerState
-from server.structured.tool_calls import ToolPlan, parse_tool_calls
+from server.structured.tool_calls import ToolPlan
 
 
 async def create_response(req: ResponsesRequest, raw: Request, state: ServerState) -> Any:
@@ -66,7 +66,7 @@ def _shell(req: ResponsesRequest, response_id: str, state: ServerState, inputs: 
         "output": [],
         "parallel_tool_calls": req.parallel_tool_calls is not False,
         "previous_response_id": None,
-        "reasoning": {"effort": None, "summary": None},
+        "reasoning": {"effort": req.reasoning.effort if req.reasoning else None, "summary": None},
         "store": False,
         "temperature": params.temperature,
         "text": {"format": fmt},
@@ -81,8 +81,7 @@ def _shell(req: ResponsesRequest, response_id: str, state: ServerState, inputs: 
 
 
 def output_items(parts: AnswerParts, plan: ToolPlan | None) -> list[dict]:
-    text = parts.content
-    content, calls = (text, []) if plan is None else parse_tool_calls(text, plan)
+    content, calls = parts.content_and_calls(plan)
     items = [reasoning_item(parts.reasoning)] if parts.reasoning is not None else []
     items += [message_item(content)] if content else []
     return items + [call_item(c.name, c.arguments) for c in calls]

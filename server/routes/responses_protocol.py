@@ -1,6 +1,7 @@
 """The request side of OpenAI's Responses API (`POST /v1/responses`), stateless: its
 pydantic model, and its translation into the chat request the chat path already serves
-(input items to messages, `instructions` to a system message, `text.format` to
+(input items to messages, an earlier answer's reasoning item to that turn's
+reasoning, `instructions` to a system message, `text.format` to
 `response_format`, flat function tools to chat tools).
 
 Anything that would need state kept between requests (`store: true`,
@@ -10,7 +11,7 @@ with a 400 naming the field, never quietly ignored.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import Field, ValidationError
 
@@ -56,6 +57,11 @@ class FunctionTool(LenientModel):
     strict: bool | None = None
 
 
+class ReasoningConfig(LenientModel):
+    # Reaches the chat template as chat's `reasoning_effort` does; `summary` is not written.
+    effort: Literal["low", "medium", "high"] | None = None
+
+
 class ResponsesRequest(LenientModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -64,6 +70,7 @@ class ResponsesRequest(LenientModel):
     temperature: float | None = None
     top_p: float | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -120,6 +127,7 @@ def _chat_request(req: ResponsesRequest) -> ChatCompletionRequest:
         tools=[_chat_tool(t, i) for i, t in enumerate(req.tools)] if req.tools else None,
         tool_choice=_chat_tool_choice(req.tool_choice),
         parallel_tool_calls=req.parallel_tool_calls,
+        reasoning_effort=req.reasoning.effort if req.reasoning else None,
     )
 
 
@@ -133,7 +141,22 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
             role = item.get("role")
             if role not in ("system", "developer", "user", "assistant"):
                 raise APIError(400, f"input[{index}]: role {role!r} is not supported", "input")
-            messages.append(ChatMessage(role=role, content=_text(item.get("content"), index)))
+            text = _text(item.get("content"), index)
+            last = messages[-1] if messages else None
+            if role == "assistant" and _reasoning_only(last):
+                last.content = text  # the answer that followed its reasoning item
+            else:
+                messages.append(ChatMessage(role=role, content=text))
+        elif kind == "reasoning":
+            # An earlier answer's reasoning item, sent back: the assistant turn's reasoning.
+            # Only its text can be read: one with a summary or encrypted content alone is a 400.
+            parts = item.get("content") or []
+            thought = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            if not thought:
+                raise APIError(
+                    400, f"input[{index}]: a reasoning item needs its reasoning_text", "input"
+                )
+            messages.append(ChatMessage(role="assistant", reasoning_content=thought))
         elif kind == "function_call":
             call = ToolCall(
                 id=item.get("call_id"),
@@ -158,6 +181,15 @@ def input_messages(items: str | list[dict[str, Any]]) -> list[ChatMessage]:
         else:
             raise APIError(400, f"input[{index}]: item type {kind!r} is not supported", "input")
     return messages
+
+
+def _reasoning_only(message: ChatMessage | None) -> bool:
+    return (
+        message is not None
+        and message.role == "assistant"
+        and message.content is None
+        and not message.tool_calls
+    )
 
 
 def _text(content: Any, index: int) -> str:

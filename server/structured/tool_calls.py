@@ -41,6 +41,9 @@ class ToolCallFormat:
 HERMES = ToolCallFormat("hermes", "<tool_call>\n", "\n</tool_call>", "arguments", True)
 # Meta's JSON tool calling for Llama 3.x: the whole answer is one call.
 LLAMA3_JSON = ToolCallFormat("llama3_json", "", "", "parameters", False)
+# gpt-oss's harmony: a call is a message to `functions.NAME`, read from the channels
+# (server/reasoning/harmony.py), never from the content; one per turn.
+HARMONY = ToolCallFormat("harmony", "", "", "arguments", False)
 
 
 @dataclass

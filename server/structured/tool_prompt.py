@@ -1,6 +1,8 @@
 """How tools and earlier tool calls reach the prompt, per chat template:
 
-- a template that reads `tools` gets them through that variable, with assistant
+- a template that reads `tools` gets them through that variable (gpt-oss's harmony
+  template among them: it writes the tools as a TypeScript namespace, earlier calls as
+  messages to `functions.NAME` and results as messages from it), with assistant
   `tool_calls` and `tool` messages passed as the template expects them (arguments as
   objects, as transformers passes them); its call syntax is read from the template;
 - a Llama 3 checkpoint without a template (Meta's chat format) gets Meta's JSON tool
@@ -21,8 +23,9 @@ from typing import Any
 
 from model.text.chat_template import ChatTemplate
 from model.text.llama3_chat import Llama3ChatFormat
+from server.reasoning.formats import is_harmony
 from server.routes.protocol import ChatMessage, Tool
-from server.structured.tool_calls import HERMES, LLAMA3_JSON, ToolCallFormat
+from server.structured.tool_calls import HARMONY, HERMES, LLAMA3_JSON, ToolCallFormat
 
 FALLBACK_TOOL_PROMPT = (
     "You may call one or more functions to assist with the user query. You are provided "
@@ -44,6 +47,8 @@ def call_format(template: ChatTemplate) -> ToolCallFormat:
     """The syntax this template's model writes calls in."""
     if isinstance(template, Llama3ChatFormat):
         return LLAMA3_JSON
+    if is_harmony(template):
+        return HARMONY
     if template.reads("tools") and "<tool_call>" not in template.source:
         if "ipython" in template.source or '"parameters"' in template.source:
             return LLAMA3_JSON
@@ -56,7 +61,8 @@ def tool_messages(
     """(message dicts, extra template variables) for the chat template."""
     if template.reads("tools") and not isinstance(template, Llama3ChatFormat):
         variables = {"tools": [t.model_dump(exclude_none=True) for t in tools]} if tools else {}
-        return [_native_message(m) for m in messages], variables
+        thinking = "message.thinking" in template.source
+        return [_native_message(m, thinking) for m in messages], variables
     fmt = call_format(template)
     dicts = [_inline_message(m, fmt, bool(tools)) for m in messages]
     if not tools:
@@ -78,8 +84,11 @@ def tool_messages(
     return dicts, {}
 
 
-def _native_message(message: ChatMessage) -> dict[str, Any]:
+def _native_message(message: ChatMessage, thinking: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"role": message.role, "content": message.text()}
+    reasoning = message.reasoning_content or message.reasoning
+    if thinking and message.role == "assistant" and reasoning:
+        out["thinking"] = reasoning  # gpt-oss's template writes it as the analysis message
     if message.name is not None and message.role == "tool":
         out["name"] = message.name
     if message.tool_calls:
