@@ -8,11 +8,10 @@ engine; they never touch KV blocks or model tensors."""
 from __future__ import annotations
 
 from fastapi import Depends, FastAPI
-from fastapi.middleware.cors import CORSMiddleware
 
 from server.edge.errors import install_error_handlers
 from server.edge.metrics import ServerMetrics
-from server.edge.middleware import BodyLimit, RequestContext
+from server.edge.middleware import install_edge
 from server.routes import (
     adapters,
     messages,
@@ -37,15 +36,7 @@ def build_app(
     app.state.llamaserve = state
     app.state.metrics = metrics
     install_error_handlers(app)
-    if allowed_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=allowed_origins,
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
-    app.add_middleware(BodyLimit, max_bytes=state.max_request_bytes)
-    app.add_middleware(RequestContext, on_status=metrics.count_response)
+    install_edge(app, allowed_origins, state.max_request_bytes, metrics.count_response)
 
     guarded = [Depends(authorized)]
     app.include_router(openai_api.router, dependencies=guarded)

@@ -3,7 +3,9 @@
 (for the error counters) when it ends, and a bound on body size that answers 413 before
 the body reaches JSON parsing.
 
-It never parses a body or looks at what a route answers beyond its status.
+It never parses a body or looks at what a route answers beyond its status. `install_edge`
+puts them, with CORS where origins are allowed, on an app: the one-model server's and the
+several-model front's alike.
 """
 
 from __future__ import annotations
@@ -15,12 +17,33 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.edge.anthropic_errors import anthropic_error_body, speaks_anthropic
 from server.edge.errors import error_body
 
 access_log = logging.getLogger("llamaserve.access")
+
+
+def install_edge(
+    app: FastAPI,
+    allowed_origins: list[str] | None,
+    max_request_bytes: int,
+    on_status: Callable[[int], None] | None = None,
+) -> None:
+    """CORS (only where origins are allowed), the body bound and the request context, in
+    the order every app of the server stacks them."""
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=allowed_origins,
+            allow_methods=["*"],
+            allow_headers=["*"],
+        )
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    app.add_middleware(RequestContext, on_status=on_status)
 
 
 class RequestContext:

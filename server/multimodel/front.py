@@ -17,12 +17,11 @@ from typing import Any
 
 import httpx
 from fastapi import Depends, FastAPI, Request
-from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response
 
 from server.edge.errors import install_error_handlers
 from server.edge.metrics import CONTENT_TYPE
-from server.edge.middleware import BodyLimit, RequestContext
+from server.edge.middleware import install_edge
 from server.multimodel.front_metrics import FrontMetrics
 from server.multimodel.memory import rss_bytes
 from server.multimodel.pool import ModelPool, ModelUnavailable
@@ -74,15 +73,7 @@ def build_front(
     app = FastAPI(title="llamaserve", version="0.1.0", lifespan=lifespan)
     app.state.pool = pool
     install_error_handlers(app)
-    if allowed_origins:
-        app.add_middleware(
-            CORSMiddleware,
-            allow_origins=allowed_origins,
-            allow_methods=["*"],
-            allow_headers=["*"],
-        )
-    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
-    app.add_middleware(RequestContext)
+    install_edge(app, allowed_origins, max_request_bytes)
 
     def guarded(request: Request) -> None:
         check_api_key(request, api_keys)

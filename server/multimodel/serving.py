@@ -17,6 +17,7 @@ from server.multimodel.pool import ModelPool, PoolSettings
 from server.startup.config import ServeConfig
 from server.startup.flags import UsageError
 from server.startup.multimodel_flags import inherited_flags
+from server.startup.serve_flags import listener_settings
 
 logger = logging.getLogger("llamaserve.models")
 
@@ -70,14 +71,6 @@ def serve_models(
         args.port,
         budget / 2**30,
     )
-    config = ServeConfig(
-        host=args.host,
-        port=args.port,
-        shutdown_grace_s=args.shutdown_grace,
-        timeout_keep_alive_s=args.timeout_keep_alive,
-        header_timeout_s=args.header_timeout,
-        limit_concurrency=args.limit_concurrency,
-        backlog=args.backlog,
-    )
+    config = ServeConfig(**listener_settings(args))
     uvicorn_server(app, config).run()
     return 0

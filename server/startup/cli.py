@@ -22,7 +22,7 @@ from scheduler import EngineConfig, SpeculativeConfig, SpeculativeConfigError
 from server.startup.flags import UsageError, add_model_flags, model_settings
 from server.startup.multimodel_flags import add_multimodel_flags, serves_several
 from server.startup.parallel_flags import add_parallel_flags
-from server.startup.serve_flags import add_serve_flags
+from server.startup.serve_flags import add_serve_flags, listener_settings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,8 +129,7 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
     lora = args.enable_lora or bool(args.lora_modules)
     config = ServeConfig(
         **model_settings(args),
-        host=args.host,
-        port=args.port,
+        **listener_settings(args),
         served_model_name=args.served_model_name,
         reasoning_parser=args.reasoning_parser,
         api_keys=api_keys,
@@ -142,11 +141,6 @@ def serve(args: argparse.Namespace, argv: list[str]) -> int:
         allowed_origins=args.allowed_origins,
         webui=not args.no_webui,
         max_request_bytes=args.max_request_bytes,
-        shutdown_grace_s=args.shutdown_grace,
-        timeout_keep_alive_s=args.timeout_keep_alive,
-        header_timeout_s=args.header_timeout,
-        limit_concurrency=args.limit_concurrency,
-        backlog=args.backlog,
         parallel=ParallelConfig(
             tensor_parallel_size=args.tensor_parallel_size,
             nnodes=args.nnodes,

@@ -211,3 +211,17 @@ def add_connection_flags(p: argparse.ArgumentParser) -> None:
         default=2048,
         help="connections the kernel queues before they are accepted (default 2048)",
     )
+
+
+def listener_settings(args: argparse.Namespace) -> dict[str, object]:
+    """The ServeConfig fields of the listening socket and its connections, from parsed
+    arguments: the same for one model's server and for the several-model front."""
+    return {
+        "host": args.host,
+        "port": args.port,
+        "shutdown_grace_s": args.shutdown_grace,
+        "timeout_keep_alive_s": args.timeout_keep_alive,
+        "header_timeout_s": args.header_timeout,
+        "limit_concurrency": args.limit_concurrency,
+        "backlog": args.backlog,
+    }
