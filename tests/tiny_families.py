@@ -4,6 +4,7 @@ names and layout. `transformers` loading that GGUF back (`gguf_file=`) is what c
 writer; nothing here is produced by llamaserve's own code."""
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -130,12 +131,22 @@ def make_tiny(family: str, directory: Path, seed: int = 0, **overrides) -> torch
     torch.manual_seed(seed)
     config = config_cls(**{**SHAPE, **extra, **overrides})
     model = model_cls(config).eval()
+    # A router that picks clear winners.
+    return save_randomised(model, directory, lambda name: name.endswith("mlp.gate.weight"))
+
+
+def save_randomised(
+    model: torch.nn.Module, directory: Path, wide: Callable[[str], float | bool]
+) -> torch.nn.Module:
+    """Norm gains around 1, the parameters `wide` names drawn with its spread (1.0 for
+    True), the rest small; saved by `transformers` beside the tiny tokenizer."""
     with torch.no_grad():
         for name, p in model.named_parameters():
+            spread = wide(name)
             if "norm" in name:
                 p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):  # a router that picks clear winners
-                p.normal_(0, 1.0)
+            elif spread:
+                p.normal_(0, float(spread))
             else:
                 p.normal_(0, 0.08)
     model.save_pretrained(directory)

@@ -12,8 +12,7 @@ from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import quantize
 from transformers import GptOssConfig, GptOssForCausalLM
 
-from tests.tiny_families import add_vocabulary
-from tests.tiny_models import write_tiny_tokenizer
+from tests.tiny_families import add_vocabulary, save_randomised
 
 # 8 experts of which each token picks 2, a window far shorter than the prompts, two layers
 # (windowed, then full), YaRN as gpt-oss's config sets it.
@@ -37,19 +36,14 @@ def make_tiny_gpt_oss(directory: Path, seed: int = 0) -> torch.nn.Module:
     """Every parameter random, biases, sinks and norm gains included."""
     torch.manual_seed(seed)
     model = GptOssForCausalLM(GptOssConfig(**SHAPE)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.copy_(1 + 0.3 * torch.randn_like(p))
-            elif "router" in name or "sinks" in name:  # clear winners; sinks that matter
-                p.normal_(0, 1.0)
-            elif name.endswith("experts.gate_up_proj"):  # gates and ups past the limit of 7
-                p.normal_(0, 0.8)
-            else:
-                p.normal_(0, 0.08)
-    model.save_pretrained(directory)
-    write_tiny_tokenizer(directory)
-    return model
+    return save_randomised(model, directory, _spread)
+
+
+def _spread(name: str) -> float | bool:
+    """Routers with clear winners and sinks that matter; gates and ups past the limit of 7."""
+    if "router" in name or "sinks" in name:
+        return 1.0
+    return 0.8 if name.endswith("experts.gate_up_proj") else False
 
 
 _NAMES = {
