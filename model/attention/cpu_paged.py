@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from model.attention.torch_ref import TorchRefBackend, TorchRefPlan, _Group
+from model.native.int8_cache import paged_decode_int8_kernels
 from model.native.layer import DecodeBatch
 from model.native.ops import paged_decode_kernels
 from model.network.batch import Batch
@@ -61,6 +62,8 @@ class CpuPagedBackend(TorchRefBackend):
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         self.kernels = paged_decode_kernels(library)
+        # Over an int8 cache (model/network/kv_int8.py), per query dtype.
+        self.int8_kernels = paged_decode_int8_kernels(library)
 
     def plan(self, batch: Batch) -> CpuPagedPlan:
         groups = super().plan(batch).groups
@@ -132,10 +135,12 @@ class CpuPagedBackend(TorchRefBackend):
     ) -> torch.Tensor | None:
         """One query per row of q [rows, n_heads, head_dim] over `lens` tokens of its
         table; None where the kernel does not apply."""
-        kernel = self.kernels.get(q.dtype)
+        if k_cache.dtype == torch.int8:
+            kernel = self.int8_kernels.get(q.dtype)
+        else:
+            kernel = self.kernels.get(q.dtype) if k_cache.dtype == q.dtype else None
         if (
             kernel is None
-            or k_cache.dtype != q.dtype
             or k_cache.device.type != "cpu"
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         ):
