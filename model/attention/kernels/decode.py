@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from model.attention.kernels import MIN_DOT, next_power_of_2
-from model.attention.kernels.online_softmax import attend_block
+from model.attention.kernels.online_softmax import attend_block, scale_views
+from model.network.kv_int8 import dequantize
 
 
 @triton.jit
@@ -32,6 +33,8 @@ def _decode_split_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     window,
     num_splits,
@@ -49,6 +52,7 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    INT8: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
 ):
@@ -80,13 +84,26 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for b in range(first, last):
         block = tl.load(block_tables_ptr + seq * stride_bt + b)
-        cache_offsets = (
-            block * stride_cb + offsets[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
-        )
+        slot_offsets = block * stride_cb + offsets * stride_cs + kv_head * stride_ch
+        cache_offsets = slot_offsets[:, None] + dims[None, :]
+        scale_offsets = (slot_offsets + HEAD_DIM) // 2  # in the bf16 view
         positions = b * BLOCK_SIZE + offsets
         allowed = ((positions < seq_len) & (positions >= start))[None, :]
         m, denom, acc = attend_block(
-            q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            cache_offsets,
+            dim_ok,
+            allowed,
+            scale,
+            m,
+            denom,
+            acc,
+            k_scale_ptr,
+            v_scale_ptr,
+            scale_offsets,
+            INT8,
         )
 
     out = acc / tl.maximum(denom, 1e-30)[:, None]  # an empty split has acc = 0
@@ -182,6 +199,7 @@ def paged_decode(
         out,
         part_out,
         part_lse,
+        *scale_views(k_cache, v_cache),
         scale,
         window,
         num_splits,
@@ -199,6 +217,7 @@ def paged_decode(
         BLOCK_H=max(MIN_DOT, next_power_of_2(n_rep)),
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
+        INT8=k_cache.dtype == torch.int8,
         BLOCKS_PER_SPLIT=blocks_per_split,
         SINGLE_SPLIT=num_splits == 1,
     )
@@ -232,6 +251,8 @@ def paged_decode_reference(
     """The twin: one sequence at a time, its context gathered block by block, fp32."""
     n_heads, head_dim = q.shape[1], q.shape[2]
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.dtype == torch.int8:
+        k_cache, v_cache = dequantize(k_cache), dequantize(v_cache)
     for i, (length, token) in enumerate(zip(seq_lens.tolist(), token_index.tolist(), strict=True)):
         blocks = block_tables[i, : -(-length // block_size)]
         keys = k_cache[blocks].reshape(-1, n_kv, head_dim)[:length].float()

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from model.attention.kernels import MIN_DOT, next_power_of_2
-from model.attention.kernels.online_softmax import attend_block
+from model.attention.kernels.online_softmax import attend_block, scale_views
+from model.network.kv_int8 import dequantize
 
 BLOCK_M = 16
 
@@ -27,6 +28,8 @@ def _prefill_kernel(
     query_starts_ptr,
     query_lens_ptr,
     out_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     window,
     stride_qt,
@@ -41,6 +44,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    INT8: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -74,15 +78,28 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for b in range(first_block, num_blocks):
         block = tl.load(block_tables_ptr + seq * stride_bt + b)
-        cache_offsets = (
-            block * stride_cb + offsets[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
-        )
+        slot_offsets = block * stride_cb + offsets * stride_cs + kv_head * stride_ch
+        cache_offsets = slot_offsets[:, None] + dims[None, :]
+        scale_offsets = (slot_offsets + HEAD_DIM) // 2  # in the bf16 view
         positions = b * BLOCK_SIZE + offsets
         allowed = (positions[None, :] <= q_positions[:, None]) & (positions < seq_len)[None, :]
         in_window = positions[None, :] > q_positions[:, None] - window
         allowed = allowed & ((window <= 0) | in_window)
         m, denom, acc = attend_block(
-            q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
+            q,
+            k_cache_ptr,
+            v_cache_ptr,
+            cache_offsets,
+            dim_ok,
+            allowed,
+            scale,
+            m,
+            denom,
+            acc,
+            k_scale_ptr,
+            v_scale_ptr,
+            scale_offsets,
+            INT8,
         )
 
     out = acc / tl.maximum(denom, 1e-30)[:, None]
@@ -122,6 +139,7 @@ def paged_prefill(
         query_starts,
         query_lens,
         out,
+        *scale_views(k_cache, v_cache),
         scale,
         window,
         q.stride(0),
@@ -136,6 +154,7 @@ def paged_prefill(
         HEAD_DIM=head_dim,
         BLOCK_D=max(MIN_DOT, next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
+        INT8=k_cache.dtype == torch.int8,
         BLOCK_M=BLOCK_M,
     )
 
@@ -155,6 +174,8 @@ def paged_prefill_reference(
     """The twin: one sequence at a time, an explicit causal mask, fp32."""
     n_heads, head_dim = q.shape[1], q.shape[2]
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.dtype == torch.int8:
+        k_cache, v_cache = dequantize(k_cache), dequantize(v_cache)
     rows = zip(seq_lens.tolist(), query_starts.tolist(), query_lens.tolist(), strict=True)
     for i, (length, start, count) in enumerate(rows):
         blocks = block_tables[i, : -(-length // block_size)]
