@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from bench.kv_accuracy import report
+from bench.kv_accuracy import SIMULATED, report
 from model.greedy import greedy_tokens
 from model.loader import LoadedModel, load_model
 from model.network.batch import Batch
@@ -141,7 +141,7 @@ def main() -> None:
     p.add_argument(
         "--kv-cache",
         nargs="+",
-        choices=["bfloat16", "int8", "int8-block"],
+        choices=["bfloat16", "int8", *SIMULATED],
         help="instead of weight formats, these KV-cache formats against a float32 cache "
         "on the float32 model, teacher-forced over a long text (bench/kv_accuracy.py)",
     )

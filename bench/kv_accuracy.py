@@ -10,10 +10,12 @@ float32 cache gives: how often the most likely token agrees, and the mean KL div
 (float32 || format), over all positions and over the last quarter (the longest contexts).
 Weights stay in float32, so the differences are the cache's alone.
 
-`int8` is the engine's cache (model/network/kv_int8.py, a scale per token and KV head);
-`int8-block` simulates the alternative, one scale per block of 16 tokens and KV head, at
-its most favourable: each block's scale is its own largest value, as if it were known
-before the block's first token is written (a block filled by decodes would not know it).
+`int8` is the engine's cache (model/network/kv_int8.py, a scale per token and KV head).
+The others are simulated on a float32 cache (`SIMULATED`): `int8-block`, one scale per
+block of 16 tokens and KV head, at its most favourable (each block's scale is its own
+largest value, as if it were known before the block's first token is written; a block
+filled by decodes would not know it); `int8-keys` and `int8-values`, only K or only V
+rounded as the engine rounds them; `int8-g16`, a scale per token and 16 values of a head.
 """
 
 from __future__ import annotations
@@ -55,24 +57,41 @@ def long_text_ids(loaded: LoadedModel, tokens: int) -> list[int]:
     return ids[: tokens + 1]
 
 
-class BlockScaleBackend(TorchRefBackend):
-    """The reference backend over a float32 cache, each block's new K/V rounded to int8
-    with one scale per (block, KV head) before it is written. Exact only where whole
-    blocks are written at once, as the chunks here are."""
+# The alternatives simulated on a float32 cache: (K rounded, V rounded, tokens per scale,
+# values of a head per scale); the engine's int8 is (True, True, 1, head_dim).
+SIMULATED = {
+    "int8-block": (True, True, BLOCK, None),  # a scale per block of 16 tokens and KV head
+    "int8-keys": (True, False, 1, None),  # K alone rounded, a scale per token
+    "int8-values": (False, True, 1, None),  # V alone
+    "int8-g16": (True, True, 1, 16),  # a scale per token and 16 values of a head
+}
 
-    name = "int8_block_simulation"
+
+class SimulatedInt8Backend(TorchRefBackend):
+    """The reference backend over a float32 cache, the new K and/or V rounded to int8
+    before they are written, one float32 scale per `tokens` x `dims` of a KV head (the
+    engine's is rounded to bf16, a difference of at most 2^-9 in the scale). Exact only
+    where whole blocks are written at once, as the chunks here are."""
+
+    name = "int8_simulation"
+
+    def __init__(self, keys: bool, values: bool, tokens: int, dims: int | None) -> None:
+        self.keys, self.values, self.tokens, self.dims = keys, values, tokens, dims
 
     def forward(self, q, k, v, k_cache, v_cache, batch, plan, scale, window=None):
-        k, v = _block_rounded(k), _block_rounded(v)
+        if self.keys:
+            k = _rounded(k, self.tokens, self.dims or k.shape[2])
+        if self.values:
+            v = _rounded(v, self.tokens, self.dims or v.shape[2])
         return super().forward(q, k, v, k_cache, v_cache, batch, plan, scale, window)
 
 
-def _block_rounded(x: torch.Tensor) -> torch.Tensor:
-    tokens, n_kv, head_dim = x.shape
-    blocks = x.float().reshape(-1, BLOCK, n_kv, head_dim)
-    scale = blocks.abs().amax(dim=(1, 3), keepdim=True) / QMAX
-    rounded = torch.round(blocks / scale.clamp_min(1e-30)).clamp(-QMAX, QMAX) * scale
-    return rounded.reshape(tokens, n_kv, head_dim).to(x.dtype)
+def _rounded(x: torch.Tensor, tokens: int, dims: int) -> torch.Tensor:
+    count, n_kv, head_dim = x.shape
+    groups = x.float().reshape(-1, tokens, n_kv, head_dim // dims, dims)
+    scale = groups.abs().amax(dim=(1, 4), keepdim=True) / QMAX  # in float32
+    rounded = torch.round(groups / scale.clamp_min(1e-30)).clamp(-QMAX, QMAX) * scale
+    return rounded.reshape(count, n_kv, head_dim).to(x.dtype)
 
 
 def chunk_logprobs(loaded: LoadedModel, ids: list[int], kind: str) -> Iterator[torch.Tensor]:
@@ -83,7 +102,8 @@ def chunk_logprobs(loaded: LoadedModel, ids: list[int], kind: str) -> Iterator[t
     dtype = CACHE_DTYPES.get(kind, torch.float32)
     cache = PagedKVCache.allocate(model.config, blocks, BLOCK, dtype)
     table = list(range(blocks))
-    backend = BlockScaleBackend() if kind == "int8-block" else TorchRefBackend()
+    simulated = SIMULATED.get(kind)
+    backend = SimulatedInt8Backend(*simulated) if simulated else TorchRefBackend()
     for start in range(0, len(ids) - 1, CHUNK):
         chunk = ids[start : min(start + CHUNK, len(ids) - 1)]
         batch = Batch.build([chunk], [start], [table], BLOCK, all_logits=True)
