@@ -275,6 +275,9 @@ def test_batch_invariant_flag_gives_batch_invariant_greedy_output(prompts):
     assert loaded.model.embed_tokens.weight.dtype == torch.float32
     # A quarter of the prompts need a quarter of the cache to be preempted.
     assert_batch_invariant(loaded, prompts[:4], SCENARIOS["preemption"]["kv_cache_memory"] // 4)
+    # The promise holds on an int8 KV cache too (float32 queries on its C kernel).
+    per_block = model_bytes_per_block(loaded.model.config, 16, torch.int8)
+    assert_batch_invariant(loaded, prompts[:4], 6 * per_block, kv_cache_dtype="int8")
 
 
 def assert_batch_invariant(

@@ -56,9 +56,7 @@ def _decode_split_kernel(
     BLOCKS_PER_SPLIT: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     token = tl.load(token_index_ptr + seq)
 
@@ -85,26 +83,14 @@ def _decode_split_kernel(
     for b in range(first, last):
         block = tl.load(block_tables_ptr + seq * stride_bt + b)
         slot_offsets = block * stride_cb + offsets * stride_cs + kv_head * stride_ch
-        cache_offsets = slot_offsets[:, None] + dims[None, :]
-        scale_offsets = (slot_offsets + HEAD_DIM) // 2  # in the bf16 view
         positions = b * BLOCK_SIZE + offsets
         allowed = ((positions < seq_len) & (positions >= start))[None, :]
+        # fmt: off
         m, denom, acc = attend_block(
-            q,
-            k_cache_ptr,
-            v_cache_ptr,
-            cache_offsets,
-            dim_ok,
-            allowed,
-            scale,
-            m,
-            denom,
-            acc,
-            k_scale_ptr,
-            v_scale_ptr,
-            scale_offsets,
-            INT8,
+            q, k_cache_ptr, v_cache_ptr, slot_offsets, dims, dim_ok, allowed, scale, m, denom,
+            acc, k_scale_ptr, v_scale_ptr, HEAD_DIM, INT8,
         )
+        # fmt: on
 
     out = acc / tl.maximum(denom, 1e-30)[:, None]  # an empty split has acc = 0
     store_mask = head_ok[:, None] & dim_ok[None, :]

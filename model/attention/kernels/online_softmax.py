@@ -25,7 +25,8 @@ def attend_block(
     q,
     k_cache_ptr,
     v_cache_ptr,
-    cache_offsets,
+    slot_offsets,
+    dims,
     dim_ok,
     allowed,
     scale,
@@ -34,15 +35,18 @@ def attend_block(
     acc,
     k_scale_ptr,
     v_scale_ptr,
-    scale_offsets,
+    HEAD_DIM: tl.constexpr,
     INT8: tl.constexpr,
 ):
-    """q: [M, D] tile; cache_offsets: [BLOCK_SIZE, D] of the block's K/V for this KV head;
+    """q: [M, D] tile; slot_offsets: [BLOCK_SIZE], where the block's K/V slots for this KV
+    head start (`dims` [D] the offsets within one, `dim_ok` those below HEAD_DIM);
     allowed: [M, BLOCK_SIZE] which keys each query may see. Returns the updated (m, denom,
     acc). A row that has seen no key yet (a sliding window's query in a block before its
     window) keeps a maximum of -inf and nothing else: its shift is taken as 0, since
-    -inf - -inf would be NaN. With INT8, the scales are at `scale_offsets` [BLOCK_SIZE] of
-    the caches' bf16 views (`k_scale_ptr`, `v_scale_ptr`)."""
+    -inf - -inf would be NaN. With INT8, each slot's scale follows its HEAD_DIM values, read
+    through the caches' bf16 views (`k_scale_ptr`, `v_scale_ptr`)."""
+    cache_offsets = slot_offsets[:, None] + dims[None, :]
+    scale_offsets = (slot_offsets + HEAD_DIM) // 2  # in the bf16 views
     k = tl.load(k_cache_ptr + cache_offsets, mask=dim_ok[None, :], other=0.0)
     scores = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision="ieee") * scale
     if INT8:

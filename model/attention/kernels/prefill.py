@@ -79,28 +79,16 @@ def _prefill_kernel(
     for b in range(first_block, num_blocks):
         block = tl.load(block_tables_ptr + seq * stride_bt + b)
         slot_offsets = block * stride_cb + offsets * stride_cs + kv_head * stride_ch
-        cache_offsets = slot_offsets[:, None] + dims[None, :]
-        scale_offsets = (slot_offsets + HEAD_DIM) // 2  # in the bf16 view
         positions = b * BLOCK_SIZE + offsets
         allowed = (positions[None, :] <= q_positions[:, None]) & (positions < seq_len)[None, :]
         in_window = positions[None, :] > q_positions[:, None] - window
         allowed = allowed & ((window <= 0) | in_window)
+        # fmt: off
         m, denom, acc = attend_block(
-            q,
-            k_cache_ptr,
-            v_cache_ptr,
-            cache_offsets,
-            dim_ok,
-            allowed,
-            scale,
-            m,
-            denom,
-            acc,
-            k_scale_ptr,
-            v_scale_ptr,
-            scale_offsets,
-            INT8,
+            q, k_cache_ptr, v_cache_ptr, slot_offsets, dims, dim_ok, allowed, scale, m, denom,
+            acc, k_scale_ptr, v_scale_ptr, HEAD_DIM, INT8,
         )
+        # fmt: on
 
     out = acc / tl.maximum(denom, 1e-30)[:, None]
     dest = out_ptr + (query_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
