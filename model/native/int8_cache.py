@@ -1,6 +1,7 @@
 """Python entry points of paged_decode_int8.c, the int8 KV cache's C kernels
-(--kv-cache-dtype int8, layout in model/network/kv_int8.py): attention over the cache and
-the writer that quantises K/V into it."""
+(--kv-cache-dtype int8, layout in model/network/kv_int8.py): attention over the cache. Its
+writer is called by the C decoder layer alone; elsewhere K/V are written by kv_int8.py's
+`quantize`, which rounds alike."""
 
 from __future__ import annotations
 
@@ -27,19 +28,3 @@ def paged_decode_int8_kernels(
         kernel.restype = ctypes.c_int
         kernels[dtype] = kernel
     return kernels
-
-
-def kv_int8_writers(library: ctypes.CDLL | None = None) -> dict[torch.dtype, ctypes._CFuncPtr]:
-    """paged_decode_int8.c's writer per K/V dtype: (x, row stride in elements, rows, slots,
-    cache, n_kv, head_dim), heads contiguous within a row."""
-    library = library or load_library()
-    writers = {}
-    for dtype, symbol in {
-        torch.bfloat16: "kv_int8_write_bf16",
-        torch.float32: "kv_int8_write_f32",
-    }.items():
-        writer = getattr(library, symbol)
-        writer.argtypes = [_PTR, _I64, _I64, _PTR, _PTR, _I64, _I64]
-        writer.restype = None
-        writers[dtype] = writer
-    return writers
