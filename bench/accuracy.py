@@ -2,6 +2,7 @@
 the figures behind the accuracy table of docs/cpu-performance.md, reproducible with one command.
 
     python -m bench.accuracy --formats bfloat16:int4 bfloat16:w4a8 float32:int4
+    python -m bench.accuracy --kv-cache int8 --contexts 512 4096   # bench/kv_accuracy.py
 
 Greedy, so that a difference is the format's and not the sampler's. Per format, over
 every prompt: how many of float32's greedy continuations it reproduces whole, and how
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.kv_accuracy import SIMULATED, report
 from model.greedy import greedy_tokens
 from model.loader import LoadedModel, load_model
 from model.network.batch import Batch
@@ -136,9 +138,20 @@ def main() -> None:
         help="dtype:quantization pairs, as `--dtype` and `--quantization` take them",
     )
     p.add_argument("--tokens", type=int, default=48, help="greedy tokens per prompt")
+    p.add_argument(
+        "--kv-cache",
+        nargs="+",
+        choices=["bfloat16", "int8", *SIMULATED],
+        help="instead of weight formats, these KV-cache formats against a float32 cache "
+        "on the float32 model, teacher-forced over a long text (bench/kv_accuracy.py)",
+    )
+    p.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
     args = p.parse_args()
 
     exact = load_model(args.model, dtype="float32", quantization="none", progress=False)
+    if args.kv_cache:
+        report(exact, args.kv_cache, args.contexts)
+        return
     prompts = prompt_ids(exact, QUESTIONS)
     references = reference(exact.model, prompts, args.tokens)
     del exact

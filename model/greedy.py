@@ -22,11 +22,12 @@ def greedy_tokens(
     max_new_tokens: int,
     stop_ids: frozenset[int] | set[int] = frozenset(),
     block_size: int = 16,
+    kv_dtype: torch.dtype | None = None,
 ) -> Iterator[int]:
     if not prompt_ids:
         raise ValueError("the prompt is empty")
     device = model.device
-    dtype = model.dtype
+    dtype = kv_dtype or model.dtype  # torch.int8: the int8 cache (model/network/kv_int8.py)
     total = len(prompt_ids) + max_new_tokens
     num_blocks = -(-total // block_size)
     cache = PagedKVCache.allocate(model.config, num_blocks, block_size, dtype, device)

@@ -32,6 +32,9 @@ class EngineConfig:
     max_waiting: int = 1024
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a default for the device
+    # "auto": K/V in the model's dtype; "int8": int8 with a scale per token and KV head
+    # (model/network/kv_int8.py), about twice bf16's tokens in the same memory.
+    kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # CUDA: no decode-step graphs

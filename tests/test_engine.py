@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from model.greedy import greedy_tokens
+from model.network.kv_int8 import cache_dtype
 from scheduler.config import EngineConfig
 from scheduler.engine.factory import create_engine
+from scheduler.runner.kv_capacity import model_bytes_per_block
 from scheduler.sampling_params import SamplingParams
 from tests.engine_driver import run_engine
 from tests.native_builds import MACHINE_ISAS
@@ -273,23 +275,43 @@ def test_batch_invariant_flag_gives_batch_invariant_greedy_output(prompts):
     assert loaded.model.embed_tokens.weight.dtype == torch.float32
     # A quarter of the prompts need a quarter of the cache to be preempted.
     assert_batch_invariant(loaded, prompts[:4], SCENARIOS["preemption"]["kv_cache_memory"] // 4)
+    # The promise holds on an int8 KV cache too (float32 queries on its C kernel).
+    per_block = model_bytes_per_block(loaded.model.config, 16, torch.int8)
+    assert_batch_invariant(loaded, prompts[:4], 6 * per_block, kv_cache_dtype="int8")
 
 
-def assert_batch_invariant(loaded, prompts: list[list[int]], preempting_cache: int) -> None:
+def assert_batch_invariant(
+    loaded, prompts: list[list[int]], preempting_cache: int, kv_cache_dtype: str = "auto"
+) -> None:
     """Each prompt's greedy output alone equals its output crowded, chunked and preempted
-    (with `preempting_cache` bytes of KV cache)."""
+    (with `preempting_cache` bytes of KV cache), all on a `kv_cache_dtype` cache."""
     tok = loaded.tokenizer
-    alone = [list(greedy_tokens(loaded.model, ids, MAX_TOKENS, tok.stop_ids)) for ids in prompts]
+    kv_dtype = cache_dtype(kv_cache_dtype, loaded.model.dtype)
+    alone = [
+        list(greedy_tokens(loaded.model, ids, MAX_TOKENS, tok.stop_ids, kv_dtype=kv_dtype))
+        for ids in prompts
+    ]
     small_cache = {"kv_cache_memory": preempting_cache}
     for scenario in ("crowded", "chunked_prefill", "preemption"):
         engine = engine_for(
-            loaded, **(small_cache if scenario == "preemption" else SCENARIOS[scenario])
+            loaded,
+            kv_cache_dtype=kv_cache_dtype,
+            **(small_cache if scenario == "preemption" else SCENARIOS[scenario]),
         )
         requests = {f"r{i}": (ids, greedy()) for i, ids in enumerate(prompts)}
         results, preemptions = run_engine(engine, requests)
         assert preemptions > 0 or scenario != "preemption"
         for i in range(len(prompts)):
             assert results[(f"r{i}", 0)].token_ids == alone[i], (scenario, TEXTS[i])
+
+
+def test_an_int8_kv_cache_is_batch_invariant(ours_default, prompts) -> None:
+    """--kv-cache-dtype int8 (model/network/kv_int8.py): a token's K/V bytes depend on it
+    alone and every attention path reads them one query at a time, so greedy output alone
+    equals it crowded, chunked and preempted (6 blocks of cache for 4 prompts), as with
+    the model's own dtype; on the default format that is the C decoder layers' int8 path."""
+    per_block = model_bytes_per_block(ours_default.model.config, 16, torch.int8)
+    assert_batch_invariant(ours_default, prompts[:4], 6 * per_block, kv_cache_dtype="int8")
 
 
 FAST_PATHS = [(kernel, isa) for kernel in ("native", "native_a8") for isa in MACHINE_ISAS]

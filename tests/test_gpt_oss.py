@@ -161,14 +161,34 @@ def test_the_c_layer_runs_attention_and_the_experts(checkpoint) -> None:
         assert with_c[2] == other[2]
 
 
-def _decoded_logits(model: torch.nn.Module, ids: list[int], decodes: int) -> torch.Tensor:
+def _decoded_logits(
+    model: torch.nn.Module, ids: list[int], decodes: int, kv_dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """The logits of the last `decodes` tokens, each a step of its own after a prefill of
     the rest: the steps the C layer runs whole, sinks included."""
-    cache = PagedKVCache.allocate(model.config, 64, 4, model.dtype)
+    cache = PagedKVCache.allocate(model.config, 64, 4, kv_dtype or model.dtype)
     table, first = list(range(-(-len(ids) // 4))), len(ids) - decodes
     model(Batch.build([ids[:first]], [0], [table], 4), cache)
     steps = [model(Batch.build([[ids[i]]], [i], [table], 4), cache) for i in range(first, len(ids))]
     return torch.cat(steps)
+
+
+def test_an_int8_kv_cache_keeps_the_sinks(checkpoint) -> None:
+    """Over an int8 KV cache the C attention has no sinks: gpt-oss's decode steps there
+    take the reference, and their logits are the reference backend's on the same cache
+    (dropping the sinks moves them by more than 1e-2: the test above)."""
+    _, _, _, gguf = checkpoint
+    ids = prompts()[-1]
+    logits = [
+        _decoded_logits(
+            load_model(gguf, dtype=torch.float32, progress=False, attention_backend=backend).model,
+            ids,
+            4,
+            torch.int8,
+        )
+        for backend in ("cpu_paged", "torch_ref")
+    ]
+    assert (logits[0] - logits[1]).abs().max().item() < 1e-4
 
 
 def test_logits_on_the_triton_backend_match_transformers(checkpoint) -> None:

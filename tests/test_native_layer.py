@@ -119,13 +119,16 @@ def test_used_only_where_every_part_fits(tiny_dir, monkeypatch) -> None:
     assert model.layers[0].native is not None and model.layers[1].native is None
 
 
-def test_a_decode_step_in_one_call_equals_the_two_call_layer(tiny_dir) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+def test_a_decode_step_in_one_call_equals_the_two_call_layer(tiny_dir, kv_dtype) -> None:
+    """With an int8 cache, the C layer's writer and the two-call path's (kv_int8.quantize)
+    must leave the same bytes, and both read them with paged_decode_int8.c."""
     model = load(tiny_dir)
     prompts = [list(range(3, 40)), list(range(100, 117)), list(range(200, 233))]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
 
     def decode_logits(one_call: bool) -> tuple[torch.Tensor, PagedKVCache]:
-        cache = PagedKVCache.allocate(model.config, 10, 16, torch.bfloat16)
+        cache = PagedKVCache.allocate(model.config, 10, 16, kv_dtype)
         model(Batch.build(prompts, [0, 0, 0], tables, 16), cache)
         decode = Batch.build([[7], [9], [11]], [len(p) for p in prompts], tables, 16)
         plan = model.attention.plan(decode)

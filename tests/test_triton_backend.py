@@ -56,7 +56,9 @@ def _load(path, backend: str, device: str) -> _Loaded:
     return _Loaded(path, backend, device)
 
 
-def test_mixed_step_logits_match_reference(tiny_gqa, device: str) -> None:
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+def test_mixed_step_logits_match_reference(tiny_gqa, device: str, kv_dtype) -> None:
+    """Both on the same cache format; int8: written by each backend's own quantiser."""
     ref = _load(tiny_gqa, "torch_ref", device)
     tri = _load(tiny_gqa, "triton_paged", device)
     assert tri.model.attention.name == "triton_paged"
@@ -64,7 +66,7 @@ def test_mixed_step_logits_match_reference(tiny_gqa, device: str) -> None:
     prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (40, 3, 21)]
     logits = {}
     for name, loaded in (("ref", ref), ("tri", tri)):
-        cache = PagedKVCache.allocate(loaded.config, 12, BLOCK, torch.float32, device)
+        cache = PagedKVCache.allocate(loaded.config, 12, BLOCK, kv_dtype, device)
         tables = [[0, 1, 2], [3], [4, 5]]
         # Step 1: whole prompts, except the first's last 10 tokens.
         first = [prompts[0][:30], prompts[1], prompts[2]]

@@ -2,7 +2,10 @@
 fp32. Without a GPU the kernels run on CPU tensors under Triton's interpreter (conftest
 sets TRITON_INTERPRET=1), which executes the same source the GPU would compile.
 
-Tolerance: rtol = atol = 1e-5 in fp32 (online softmax and split merging reorder sums)."""
+Tolerance: rtol = atol = 1e-5 in fp32 (online softmax and split merging reorder sums).
+An int8 cache (model/network/kv_int8.py) is written bit for bit as `quantize` writes it and
+read against the twins over its dequantised values, on one case of each sliding-window test
+(the interpreter is slow)."""
 
 import pytest
 import torch
@@ -12,17 +15,22 @@ pytest.importorskip("triton")
 from model.attention.kernels.decode import paged_decode, paged_decode_reference  # noqa: E402
 from model.attention.kernels.kv_write import kv_write, kv_write_reference  # noqa: E402
 from model.attention.kernels.prefill import paged_prefill, paged_prefill_reference  # noqa: E402
+from model.network.kv_int8 import quantize  # noqa: E402
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
 N_KV = 2
 
 
-def _caches(num_blocks: int, block_size: int, head_dim: int, device: str, seed: int):
+def _caches(
+    num_blocks: int, block_size: int, head_dim: int, device: str, seed: int, int8: bool = False
+):
     g = torch.Generator().manual_seed(seed)
     shape = (num_blocks, block_size, N_KV, head_dim)
-    k = torch.randn(shape, generator=g).to(device)
-    v = torch.randn(shape, generator=g).to(device)
-    return k, v
+    k = torch.randn(shape, generator=g)
+    v = torch.randn(shape, generator=g)
+    if int8:
+        k, v = quantize(k), quantize(v)
+    return k.to(device), v.to(device)
 
 
 def _tables(lengths: list[int], block_size: int, num_blocks: int, seed: int) -> torch.Tensor:
@@ -39,9 +47,10 @@ def _tables(lengths: list[int], block_size: int, num_blocks: int, seed: int) -> 
     return torch.tensor(rows, dtype=torch.int64)
 
 
-def test_kv_write_matches_twin(device: str) -> None:
+@pytest.mark.parametrize("int8", [False, True], ids=["fp32", "int8"])
+def test_kv_write_matches_twin(device: str, int8: bool) -> None:
     block_size, head_dim, num_blocks = 16, 64, 6
-    k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 0)
+    k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 0, int8)
     k_twin, v_twin = k_cache.clone(), v_cache.clone()
     slots = torch.tensor([0, 15, 16, 17, 40, 95], device=device)
     # Rows of a fused projection: K/V are strided views, as the model hands them over.
@@ -50,7 +59,7 @@ def test_kv_write_matches_twin(device: str) -> None:
     kv_write(k, v, k_cache, v_cache, slots)
     kv_write_reference(k, v, k_twin, v_twin, slots)
     assert torch.equal(k_cache, k_twin) and torch.equal(v_cache, v_twin)
-    assert not torch.equal(k_cache, _caches(num_blocks, block_size, head_dim, device, 0)[0])
+    assert not torch.equal(k_cache, _caches(num_blocks, block_size, head_dim, device, 0, int8)[0])
 
 
 # Every GQA ratio with both head sizes, both block sizes and split-K on and off, each pair
@@ -128,17 +137,23 @@ def test_paged_prefill_matches_twin(
 
 # Sliding windows (Gemma 3, Mistral): one that ends mid-block, over the sequences above,
 # some shorter than it; split-K on, so some splits lie wholly before a window.
-WINDOWED = [(1, 64, 16, True), (4, 128, 32, True), (3, 64, 16, False)]
+# The last, on an int8 cache.
+WINDOWED = [
+    (1, 64, 16, True, False),
+    (4, 128, 32, True, False),
+    (3, 64, 16, False, False),
+    (3, 64, 16, True, True),
+]
 
 
-@pytest.mark.parametrize(("n_rep", "head_dim", "block_size", "split"), WINDOWED)
+@pytest.mark.parametrize(("n_rep", "head_dim", "block_size", "split", "int8"), WINDOWED)
 def test_paged_decode_masks_a_sliding_window(
-    n_rep: int, head_dim: int, block_size: int, split: bool, device: str
+    n_rep: int, head_dim: int, block_size: int, split: bool, int8: bool, device: str
 ) -> None:
     lengths = [1, block_size + 1, 3 * block_size - 1, 5 * block_size + 3]
     window = block_size + 5
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2
-    k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 20 + n_rep)
+    k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 20 + n_rep, int8)
     tables = _tables(lengths, block_size, num_blocks, n_rep).to(device)
     q = torch.randn(len(lengths), N_KV * n_rep, head_dim, device=device)
     token_index = torch.arange(len(lengths), device=device)
@@ -155,9 +170,11 @@ def test_paged_decode_masks_a_sliding_window(
     assert not torch.allclose(out[2:], unwindowed[2:], **TOL)
 
 
-@pytest.mark.parametrize(("n_rep", "head_dim", "block_size"), [c[:3] for c in WINDOWED])
+@pytest.mark.parametrize(
+    ("n_rep", "head_dim", "block_size", "int8"), [(*c[:3], c[4]) for c in WINDOWED]
+)
 def test_paged_prefill_masks_a_sliding_window(
-    n_rep: int, head_dim: int, block_size: int, device: str
+    n_rep: int, head_dim: int, block_size: int, int8: bool, device: str
 ) -> None:
     # (cached prefix, new tokens): a prompt longer than the window, a chunk after a prefix
     # longer than it, and one token after a prefix.
@@ -165,7 +182,7 @@ def test_paged_prefill_masks_a_sliding_window(
     window = block_size + 5
     lengths = [p + n for p, n in shapes]
     num_blocks = sum(-(-n // block_size) for n in lengths) + 2
-    k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 30 + n_rep)
+    k_cache, v_cache = _caches(num_blocks, block_size, head_dim, device, 30 + n_rep, int8)
     tables = _tables(lengths, block_size, num_blocks, n_rep).to(device)
     query_lens = [n for _, n in shapes]
     starts = [sum(query_lens[:i]) for i in range(len(shapes))]

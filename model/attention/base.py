@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from model.network.batch import Batch
+from model.network.kv_int8 import is_int8, write_int8
 
 
 class AttentionBackend(ABC):
@@ -39,7 +40,8 @@ class AttentionBackend(ABC):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q: [T, n_heads, head_dim]; k, v: [T, n_kv_heads, head_dim] for the new tokens;
-        caches: [num_blocks, block_size, n_kv_heads, head_dim]. Returns [T, n_heads, head_dim].
+        caches: [num_blocks, block_size, n_kv_heads, head_dim], or int8 caches
+        [.., head_dim + 2] (model/network/kv_int8.py). Returns [T, n_heads, head_dim].
         With `window`, a query at position p attends to positions p - window + 1 .. p only.
         With `sinks` ([n_heads], gpt-oss), exp(sinks[h]) joins head h's softmax denominator
         as the weight of a value of zeros."""
@@ -52,7 +54,11 @@ def write_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Stores the new tokens' K/V at their slots (slot = block_id * block_size + offset)."""
+    """Stores the new tokens' K/V at their slots (slot = block_id * block_size + offset),
+    quantised where the cache is int8."""
+    if is_int8(k_cache):
+        write_int8(k, v, k_cache, v_cache, slot_mapping)
+        return
     n_kv, head_dim = k.shape[1], k.shape[2]
     k_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
     v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from model.attention.torch_ref import TorchRefBackend, TorchRefPlan, _Group
+from model.native.int8_cache import paged_decode_int8_kernels
 from model.native.layer import DecodeBatch
 from model.native.ops import paged_decode_kernels
 from model.network.batch import Batch
@@ -63,6 +64,8 @@ class CpuPagedBackend(TorchRefBackend):
 
     def __init__(self, library: ctypes.CDLL | None = None) -> None:
         self.kernels = paged_decode_kernels(library)
+        # Over an int8 cache (model/network/kv_int8.py), per query dtype.
+        self.int8_kernels = paged_decode_int8_kernels(library)
 
     def plan(self, batch: Batch) -> CpuPagedPlan:
         groups = super().plan(batch).groups
@@ -136,10 +139,13 @@ class CpuPagedBackend(TorchRefBackend):
     ) -> torch.Tensor | None:
         """One query per row of q [rows, n_heads, head_dim] over `lens` tokens of its
         table; None where the kernel does not apply."""
-        kernel = self.kernels.get(q.dtype)
+        int8 = k_cache.dtype == torch.int8
+        if int8:  # the int8 kernel has no sinks: gpt-oss over an int8 cache takes the reference
+            kernel = self.int8_kernels.get(q.dtype) if sinks is None else None
+        else:
+            kernel = self.kernels.get(q.dtype) if k_cache.dtype == q.dtype else None
         if (
             kernel is None
-            or k_cache.dtype != q.dtype
             or k_cache.device.type != "cpu"
             or not (k_cache.is_contiguous() and v_cache.is_contiguous())
         ):
@@ -152,6 +158,7 @@ class CpuPagedBackend(TorchRefBackend):
         out = torch.empty(rows, n_heads, head_dim, dtype=q.dtype)
         # The sink logits in fp32, as the kernel's softmax is (a gpt-oss model's are few).
         sinks = sinks.detach().float().contiguous() if sinks is not None else None
+        sink_arg = () if int8 else (sinks.data_ptr() if sinks is not None else None,)
         status = kernel(
             q.data_ptr(),
             q.stride(0),
@@ -168,7 +175,7 @@ class CpuPagedBackend(TorchRefBackend):
             k_cache.shape[1],
             scale,
             window or 0,
-            sinks.data_ptr() if sinks is not None else None,
+            *sink_arg,
         )
         # Non-zero: shapes past the kernel's fixed buffers, or out of memory.
         return out if status == 0 else None

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 
 from model.attention.base import AttentionBackend, write_kv
 from model.network.batch import Batch
+from model.network.kv_int8 import dequantize, is_int8
 
 
 @dataclass
@@ -101,9 +102,11 @@ class TorchRefBackend(AttentionBackend):
     ) -> torch.Tensor:
         """One group's attention: queries [B, max_q, n_heads, head_dim], the same out."""
         rows = queries.shape[0]
-        n_kv, head_dim = k_cache.shape[2], k_cache.shape[3]
-        keys = k_cache[group.block_tables].view(rows, -1, n_kv, head_dim)
-        values = v_cache[group.block_tables].view(rows, -1, n_kv, head_dim)
+        n_kv, width = k_cache.shape[2], k_cache.shape[3]
+        keys = k_cache[group.block_tables].view(rows, -1, n_kv, width)
+        values = v_cache[group.block_tables].view(rows, -1, n_kv, width)
+        if is_int8(k_cache):  # the gathered slots, dequantised to fp32
+            keys, values = dequantize(keys), dequantize(values)
         mask = group.mask_for(window)
         if sinks is not None:
             return _sink_attention(queries, keys, values, mask, scale, sinks)

@@ -35,6 +35,7 @@ logger = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 SOURCES = (
     "paged_decode.c",
+    "paged_decode_int8.c",
     "rms_norm.c",
     "int4_matmul.c",
     "int4_matmul_a8.c",

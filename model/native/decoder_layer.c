@@ -183,19 +183,28 @@ int paged_decode_bf16(const void *q, int64_t q_row_stride, const void *k_cache,
                       const int64_t *seq_lens, void *out, int64_t rows, int64_t n_heads,
                       int64_t n_kv, int64_t head_dim, int64_t block_size, float scale,
                       int64_t window, const float *sinks);
+int paged_decode_int8_bf16(const void *q, int64_t q_row_stride, const int8_t *k_cache,
+                           const int8_t *v_cache, const int64_t *block_tables,
+                           int64_t table_stride, const int64_t *seq_lens, void *out,
+                           int64_t rows, int64_t n_heads, int64_t n_kv, int64_t head_dim,
+                           int64_t block_size, float scale, int64_t window);
+void kv_int8_write_bf16(const void *x, int64_t row_stride, int64_t rows, const int64_t *slots,
+                        int8_t *cache, int64_t n_kv, int64_t head_dim);
 int paged_decode_fits(int64_t n_heads, int64_t n_kv, int64_t head_dim);
 
 /* The whole layer for a batch of decodes, one new token per row, in one call: the
  * attention input, K and V stored at their cache slots, decode attention over the paged
  * cache (paged_decode.c), the attention output. Caches [blocks, block_size, n_kv,
- * head_dim]; slots [rows]; block_tables [rows, table_stride]; seq_lens [rows], the new
- * token included; window: the layer's sliding window, 0 for none. Returns 0, 1 for shapes past the attention kernel's buffers (nothing is
- * written then), or 2 when out of memory. */
+ * head_dim] bf16, or with `int8` the int8 cache's [.., head_dim + 2] slots, written and
+ * read by paged_decode_int8.c; slots [rows]; block_tables [rows, table_stride]; seq_lens
+ * [rows], the new token included; window: the layer's sliding window, 0 for none.
+ * Returns 0, 1 for shapes past the attention kernel's buffers (nothing is written then),
+ * or 2 when out of memory. */
 int decoder_layer_decode(const decoder_layer *l, const uint16_t *h, int64_t rows,
-                         const float *cos, const float *sin, uint16_t *k_cache,
-                         uint16_t *v_cache, const int64_t *slots, const int64_t *block_tables,
+                         const float *cos, const float *sin, void *k_cache, void *v_cache,
+                         const int64_t *slots, const int64_t *block_tables,
                          int64_t table_stride, const int64_t *seq_lens, int64_t block_size,
-                         float scale, int64_t window, uint16_t *out) {
+                         float scale, int64_t window, int64_t int8, uint16_t *out) {
     const int64_t q_size = l->n_heads * l->head_dim, kv_size = l->n_kv * l->head_dim;
     const int64_t width = q_size + 2 * kv_size, n = rows > 0 ? rows : 1;
     if (!paged_decode_fits(l->n_heads, l->n_kv, l->head_dim)) return 1;
@@ -204,15 +213,25 @@ int decoder_layer_decode(const decoder_layer *l, const uint16_t *h, int64_t rows
     int status = 2;
     if (!qkv || !attn) goto done;
     if ((status = decoder_attention_input(l, h, rows, cos, sin, qkv))) goto done;
-    for (int64_t r = 0; r < rows; r++) {
-        memcpy(k_cache + slots[r] * kv_size, qkv + r * width + q_size, sizeof(uint16_t) * kv_size);
-        memcpy(v_cache + slots[r] * kv_size, qkv + r * width + q_size + kv_size,
-               sizeof(uint16_t) * kv_size);
+    if (int8) {
+        kv_int8_write_bf16(qkv + q_size, width, rows, slots, k_cache, l->n_kv, l->head_dim);
+        kv_int8_write_bf16(qkv + q_size + kv_size, width, rows, slots, v_cache, l->n_kv,
+                           l->head_dim);
+        status = paged_decode_int8_bf16(qkv, width, k_cache, v_cache, block_tables,
+                                        table_stride, seq_lens, attn, rows, l->n_heads,
+                                        l->n_kv, l->head_dim, block_size, scale, window);
+    } else {
+        for (int64_t r = 0; r < rows; r++) {
+            memcpy((uint16_t *)k_cache + slots[r] * kv_size, qkv + r * width + q_size,
+                   sizeof(uint16_t) * kv_size);
+            memcpy((uint16_t *)v_cache + slots[r] * kv_size, qkv + r * width + q_size + kv_size,
+                   sizeof(uint16_t) * kv_size);
+        }
+        status = paged_decode_bf16(qkv, width, k_cache, v_cache, block_tables, table_stride,
+                                   seq_lens, attn, rows, l->n_heads, l->n_kv, l->head_dim,
+                                   block_size, scale, window, l->sinks);
     }
-    if ((status = paged_decode_bf16(qkv, width, k_cache, v_cache, block_tables, table_stride,
-                                    seq_lens, attn, rows, l->n_heads, l->n_kv, l->head_dim,
-                                    block_size, scale, window, l->sinks)))
-        goto done;
+    if (status) goto done;
     status = decoder_attention_output(l, h, attn, q_size, rows, out);
 done:
     free(qkv);

@@ -91,7 +91,7 @@ class NativeDecoderLayer:
         self._output.restype = ctypes.c_int
         self._decode = library.decoder_layer_decode
         self._decode.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _PTR, _I64]
-        self._decode.argtypes += [_PTR, _I64, ctypes.c_float, _I64, _PTR]
+        self._decode.argtypes += [_PTR, _I64, ctypes.c_float, _I64, _I64, _PTR]
         self._decode.restype = ctypes.c_int
         c = layer.config
         self.q_size, self.kv_size, self.dim = c.q_size, c.kv_size, c.dim
@@ -113,6 +113,7 @@ class NativeDecoderLayer:
         # the attention kernel's softmax is.
         sinks = layer.sinks.detach().float().contiguous() if layer.sinks is not None else None
         optional_gpt_oss = [layer.o_bias, sinks]
+        self._has_sinks = sinks is not None
         self._tensors += [t for t in optional + optional_gpt_oss if t is not None]
         self._struct = _DecoderLayer(
             layer.input_layernorm.weight.data_ptr(),
@@ -177,9 +178,13 @@ class NativeDecoderLayer:
         window: int | None = None,
     ) -> torch.Tensor | None:
         """The whole layer for a batch of decodes in one call; None where the cache does
-        not fit (another dtype, or a strided view): the caller then runs the layer."""
+        not fit (another dtype, or a strided view): the caller then runs the layer. An
+        int8 cache (model/network/kv_int8.py) is written and read in its own layout, by a
+        kernel without attention sinks: a gpt-oss layer over one is the caller's."""
+        int8 = k_cache.dtype == torch.int8
         if not (
-            k_cache.dtype == v_cache.dtype == torch.bfloat16
+            k_cache.dtype == v_cache.dtype
+            and (k_cache.dtype == torch.bfloat16 or (int8 and not self._has_sinks))
             and k_cache.is_contiguous()
             and v_cache.is_contiguous()
         ):
@@ -201,6 +206,7 @@ class NativeDecoderLayer:
             k_cache.shape[1],
             scale,
             window or 0,
+            int8,
             out.data_ptr(),
         )
         if status == 1:

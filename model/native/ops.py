@@ -1,5 +1,6 @@
 """Python entry points of the native kernels: every ctypes signature of the library but
-the decoder layer's (model/native/layer.py) is declared here."""
+the decoder layer's (model/native/layer.py) and the int8 KV cache's
+(model/native/int8_cache.py) is declared here."""
 
 from __future__ import annotations
 

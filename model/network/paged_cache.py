@@ -1,5 +1,7 @@
 """The KV-cache tensors: one K and one V tensor per layer, shaped
-[num_blocks + 1, block_size, n_kv_heads, head_dim], allocated once at start-up. The extra
+[num_blocks + 1, block_size, n_kv_heads, head_dim], allocated once at start-up; an int8
+cache's last dimension is head_dim + 2, each slot's values then its scale
+(model/network/kv_int8.py). The extra
 block, the last, is the null block: it pads block tables and belongs to no request.
 
 Which block belongs to which request is the scheduler's business (its KVCacheManager);
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from model.config import ModelConfig
+from model.network.kv_int8 import slot_width
 
 
 @dataclass
@@ -30,8 +33,10 @@ class PagedKVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> "PagedKVCache":
-        """num_blocks: the blocks requests can hold (ids 0..num_blocks - 1)."""
-        shape = (config.n_layers, num_blocks + 1, block_size, config.n_kv_heads, config.head_dim)
+        """num_blocks: the blocks requests can hold (ids 0..num_blocks - 1); dtype
+        torch.int8: the int8 layout."""
+        width = slot_width(config.head_dim) if dtype == torch.int8 else config.head_dim
+        shape = (config.n_layers, num_blocks + 1, block_size, config.n_kv_heads, width)
         return cls(
             k=_zeros(shape, dtype, torch.device(device)),
             v=_zeros(shape, dtype, torch.device(device)),
@@ -41,6 +46,10 @@ class PagedKVCache:
     @property
     def num_blocks(self) -> int:
         return int(self.k.shape[1]) - 1
+
+    @property
+    def quantized(self) -> bool:
+        return self.k.dtype == torch.int8
 
     @property
     def null_block(self) -> int:

@@ -2,8 +2,8 @@
 step's `Batch` (plain tensors, nothing about requests) and which KV cache the step runs
 on; the workers run the same forward on their shards and meet rank 0 in its collectives.
 
-The message names the cache by its block count: a worker keeps one cache and replaces it
-when the count changes (a GPU's profiling step runs on a scratch cache before the serving
+The message names the cache by its block count and dtype: a worker keeps one cache and
+replaces it when either changes (a GPU's profiling step runs on a scratch cache before the serving
 one exists)."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ class StepMessage:
     batch: Batch | None  # None: stop
     num_blocks: int = 0
     block_size: int = 0
+    int8: bool = False  # the cache is int8 (model/network/kv_int8.py)
 
 
 def broadcast(message: StepMessage | None) -> StepMessage:
@@ -40,6 +41,7 @@ class StepSender:
                 batch=batch_to(batch, "cpu"),
                 num_blocks=kv_cache.num_blocks,
                 block_size=kv_cache.block_size,
+                int8=kv_cache.quantized,
             )
         )
 

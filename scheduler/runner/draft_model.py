@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from model.network.batch import Batch
+from model.network.kv_int8 import cache_dtype
 from model.network.llama import Llama
 from model.network.paged_cache import PagedKVCache
 from model.sampler import greedy_ids
@@ -49,8 +50,9 @@ class DraftModel:
         # guesses before it: it would cost a draft step and a verified row, and is kept
         # less often than it pays for (scheduler/spec/speculation.py, `draft_p_min`).
         self.p_min = spec.draft_p_min if spec else 0.0
+        kv_dtype = cache_dtype(config.kv_cache_dtype, model.dtype)
         self.kv_cache = PagedKVCache.allocate(
-            model.config, num_blocks, block_size, model.dtype, model.device
+            model.config, num_blocks, block_size, kv_dtype, model.device
         )
         # Per sequence, how many of its positions the draft's cache holds, as of the last
         # step the draft ran; only that step's sequences are kept.

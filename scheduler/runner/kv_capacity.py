@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from model.config import ModelConfig
+from model.network.kv_int8 import slot_width
 from scheduler.config import DEFAULT_CPU_KV_BYTES, EngineConfig, EngineConfigError
 
 logger = logging.getLogger(__name__)
@@ -24,6 +25,16 @@ def kv_bytes_per_block(
 ) -> int:
     """Bytes one block takes across all layers; the 2 is one K and one V tensor."""
     return 2 * n_layers * block_size * n_kv_heads * head_dim * dtype_bytes
+
+
+def model_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    """`kv_bytes_per_block` for a cache of `dtype`; an int8 cache's slots carry their
+    scales (model/network/kv_int8.py), counted here like the values."""
+    if dtype == torch.int8:
+        width, element = slot_width(model.head_dim), 1
+    else:
+        width, element = model.head_dim, torch.tensor([], dtype=dtype).element_size()
+    return kv_bytes_per_block(model.n_layers, model.n_kv_heads, width, block_size, element)
 
 
 def num_blocks_for_budget(kv_budget_bytes: int, bytes_per_block: int) -> int:
@@ -58,12 +69,9 @@ def plan_kv_capacity(
     The budget is --kv-cache-memory when given, else `measured_budget` (on a GPU, what a
     profiling step left: memory_profile.py), else the CPU default. A `draft` model's cache
     has a block for each of the target's (the same block tables address both), so a
-    block's bytes are both models'."""
-    dtype_bytes = torch.tensor([], dtype=dtype).element_size()
+    block's bytes are both models'. `dtype`: the cache's (torch.int8 for an int8 cache)."""
     per_block = sum(
-        kv_bytes_per_block(m.n_layers, m.n_kv_heads, m.head_dim, config.block_size, dtype_bytes)
-        for m in (model, draft)
-        if m is not None
+        model_bytes_per_block(m, config.block_size, dtype) for m in (model, draft) if m is not None
     )
     budget = config.kv_cache_memory or measured_budget
     if budget is None:
@@ -82,8 +90,9 @@ def plan_kv_capacity(
         )
         max_model_len = capacity_tokens
     logger.info(
-        "KV cache: block size %d, %d bytes per block, %d blocks = %d tokens; "
+        "KV cache: %s, block size %d, %d bytes per block, %d blocks = %d tokens; "
         "%d requests of max_model_len %d fit",
+        str(dtype).removeprefix("torch."),
         config.block_size,
         per_block,
         num_blocks,

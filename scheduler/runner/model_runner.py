@@ -18,6 +18,7 @@ import time
 import torch
 
 from model.network.batch import Batch
+from model.network.kv_int8 import cache_dtype
 from model.network.llama import Llama
 from model.network.paged_cache import PagedKVCache
 from model.plan.tuning import config_key, remembered_for
@@ -37,11 +38,7 @@ from scheduler.runner.step_results import (
     sampled_tokens,
     verified,
 )
-from scheduler.step_data import (
-    ModelRunnerOutput,
-    ScheduledRequest,
-    SchedulerOutput,
-)
+from scheduler.step_data import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +66,14 @@ class ModelRunner:
                 config.block_size,
                 config.gpu_memory_utilization,
             )
+        kv_dtype = cache_dtype(config.kv_cache_dtype, model.dtype)
         capacity = plan_kv_capacity(
-            config, model.config, model.dtype, model.device, budget, draft and draft.config
+            config, model.config, kv_dtype, model.device, budget, draft and draft.config
         )
         self.num_blocks = capacity.num_blocks
         self.max_model_len = capacity.max_model_len
         self.kv_cache = PagedKVCache.allocate(
-            model.config, capacity.num_blocks, config.block_size, model.dtype, model.device
+            model.config, capacity.num_blocks, config.block_size, kv_dtype, model.device
         )
         if model.tp is not None:
             logger.info(

@@ -99,10 +99,18 @@ def serve_steps(spec: WorkerSpec) -> int:
         if message.batch is None:
             logger.info("stopped by rank 0")
             return 0
-        if cache is None or cache.num_blocks != message.num_blocks:
+        if (
+            cache is None
+            or cache.num_blocks != message.num_blocks
+            or cache.quantized != message.int8
+        ):
             cache = None  # freed before its successor is allocated
             cache = PagedKVCache.allocate(
-                model.config, message.num_blocks, message.block_size, dtype, d.device
+                model.config,
+                message.num_blocks,
+                message.block_size,
+                torch.int8 if message.int8 else dtype,
+                d.device,
             )
         model(batch_to(message.batch, d.device), cache)
 

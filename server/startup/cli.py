@@ -91,6 +91,7 @@ def engine_config(args: argparse.Namespace, lora: bool) -> EngineConfig:
         max_waiting=args.max_waiting,
         block_size=args.block_size,
         kv_cache_memory=args.kv_cache_memory,
+        kv_cache_dtype=args.kv_cache_dtype,
         gpu_memory_utilization=args.gpu_memory_utilization,
         enforce_eager=args.enforce_eager,
         enable_prefix_caching=not args.no_prefix_caching,

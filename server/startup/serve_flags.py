@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from model.network.kv_int8 import KV_CACHE_DTYPES
 from scheduler import EngineConfig
 from server.reasoning.formats import CHOICES as REASONING_CHOICES
 from server.startup.lora_flags import add_lora_flags
@@ -124,6 +125,13 @@ def add_engine_limit_flags(p: argparse.ArgumentParser) -> None:
         default=None,
         help="KV-cache budget, e.g. 512MiB or 4GiB (default: 2GiB on CPU, "
         "--gpu-memory-utilization on CUDA)",
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=EngineConfig.kv_cache_dtype,
+        help="KV-cache element type: auto (the model's dtype) or int8 (a scale per token and "
+        "KV head; about twice the tokens in the same memory, see docs/kv-cache.md)",
     )
     p.add_argument(
         "--gpu-memory-utilization",

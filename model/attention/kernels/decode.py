@@ -20,7 +20,8 @@ import triton
 import triton.language as tl
 
 from model.attention.kernels import MIN_DOT, next_power_of_2
-from model.attention.kernels.online_softmax import attend_block, join_sink
+from model.attention.kernels.online_softmax import attend_block, join_sink, scale_views
+from model.network.kv_int8 import dequantize
 
 
 @triton.jit
@@ -35,6 +36,8 @@ def _decode_split_kernel(
     part_out_ptr,
     part_lse_ptr,
     sinks_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     window,
     num_splits,
@@ -52,18 +55,15 @@ def _decode_split_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    INT8: tl.constexpr,
     BLOCKS_PER_SPLIT: tl.constexpr,
     SINGLE_SPLIT: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    token = tl.load(token_index_ptr + seq)
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    seq_len, token = tl.load(seq_lens_ptr + seq), tl.load(token_index_ptr + seq)
 
-    rep = tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
+    rep, dims = tl.arange(0, BLOCK_H), tl.arange(0, BLOCK_D)
     heads = kv_head * N_REP + rep
     head_ok = rep < N_REP
     dim_ok = dims < HEAD_DIM
@@ -84,14 +84,15 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for b in range(first, last):
         block = tl.load(block_tables_ptr + seq * stride_bt + b)
-        cache_offsets = (
-            block * stride_cb + offsets[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
-        )
+        slot_offsets = block * stride_cb + offsets * stride_cs + kv_head * stride_ch
         positions = b * BLOCK_SIZE + offsets
         allowed = ((positions < seq_len) & (positions >= start))[None, :]
+        # fmt: off
         m, denom, acc = attend_block(
-            q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
+            q, k_cache_ptr, v_cache_ptr, slot_offsets, dims, dim_ok, allowed, scale, m, denom,
+            acc, k_scale_ptr, v_scale_ptr, HEAD_DIM, INT8,
         )
+        # fmt: on
     if HAS_SINKS and SINGLE_SPLIT:  # else where the splits merge
         m, denom, acc = join_sink(m, denom, acc, tl.load(sinks_ptr + heads, mask=head_ok))
     out = acc / tl.maximum(denom, 1e-30)[:, None]  # an empty split has acc = 0
@@ -177,12 +178,9 @@ def paged_decode(
     num_splits = num_splits_for(max_blocks, blocks_per_split)
     part_out = part_lse = out  # unused when there is one split
     if num_splits > 1:
-        part_out = torch.empty(
-            num_seqs * n_heads * num_splits, head_dim, dtype=torch.float32, device=q.device
-        )
-        part_lse = torch.empty(
-            num_seqs * n_heads * num_splits, dtype=torch.float32, device=q.device
-        )
+        parts = num_seqs * n_heads * num_splits
+        part_out = torch.empty(parts, head_dim, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(parts, dtype=torch.float32, device=q.device)
     block_d = max(MIN_DOT, next_power_of_2(head_dim))
     _decode_split_kernel[(num_seqs, n_kv, num_splits)](
         q,
@@ -195,6 +193,7 @@ def paged_decode(
         part_out,
         part_lse,
         q if sinks is None else sinks,  # never read without sinks
+        *scale_views(k_cache, v_cache),
         scale,
         window,
         num_splits,
@@ -212,6 +211,7 @@ def paged_decode(
         BLOCK_H=max(MIN_DOT, next_power_of_2(n_rep)),
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
+        INT8=k_cache.dtype == torch.int8,
         BLOCKS_PER_SPLIT=blocks_per_split,
         SINGLE_SPLIT=num_splits == 1,
         HAS_SINKS=sinks is not None,
@@ -250,6 +250,8 @@ def paged_decode_reference(
     sink is one more score per head, dropped after the softmax."""
     n_heads, head_dim = q.shape[1], q.shape[2]
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.dtype == torch.int8:
+        k_cache, v_cache = dequantize(k_cache), dequantize(v_cache)
     for i, (length, token) in enumerate(zip(seq_lens.tolist(), token_index.tolist(), strict=True)):
         blocks = block_tables[i, : -(-length // block_size)]
         keys = k_cache[blocks].reshape(-1, n_kv, head_dim)[:length].float()

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from model.attention.kernels import MIN_DOT, next_power_of_2
-from model.attention.kernels.online_softmax import attend_block, join_sink
+from model.attention.kernels.online_softmax import attend_block, join_sink, scale_views
+from model.network.kv_int8 import dequantize
 
 BLOCK_M = 16
 
@@ -29,6 +30,8 @@ def _prefill_kernel(
     query_lens_ptr,
     out_ptr,
     sinks_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     scale,
     window,
     stride_qt,
@@ -43,6 +46,7 @@ def _prefill_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    INT8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HAS_SINKS: tl.constexpr,
 ):
@@ -77,16 +81,17 @@ def _prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for b in range(first_block, num_blocks):
         block = tl.load(block_tables_ptr + seq * stride_bt + b)
-        cache_offsets = (
-            block * stride_cb + offsets[:, None] * stride_cs + kv_head * stride_ch + dims[None, :]
-        )
+        slot_offsets = block * stride_cb + offsets * stride_cs + kv_head * stride_ch
         positions = b * BLOCK_SIZE + offsets
         allowed = (positions[None, :] <= q_positions[:, None]) & (positions < seq_len)[None, :]
         in_window = positions[None, :] > q_positions[:, None] - window
         allowed = allowed & ((window <= 0) | in_window)
+        # fmt: off
         m, denom, acc = attend_block(
-            q, k_cache_ptr, v_cache_ptr, cache_offsets, dim_ok, allowed, scale, m, denom, acc
+            q, k_cache_ptr, v_cache_ptr, slot_offsets, dims, dim_ok, allowed, scale, m, denom,
+            acc, k_scale_ptr, v_scale_ptr, HEAD_DIM, INT8,
         )
+        # fmt: on
 
     if HAS_SINKS:
         m, denom, acc = join_sink(m, denom, acc, tl.load(sinks_ptr + head))
@@ -129,6 +134,7 @@ def paged_prefill(
         query_lens,
         out,
         q if sinks is None else sinks,  # never read without sinks
+        *scale_views(k_cache, v_cache),
         scale,
         window,
         q.stride(0),
@@ -143,6 +149,7 @@ def paged_prefill(
         HEAD_DIM=head_dim,
         BLOCK_D=max(MIN_DOT, next_power_of_2(head_dim)),
         BLOCK_SIZE=block_size,
+        INT8=k_cache.dtype == torch.int8,
         BLOCK_M=BLOCK_M,
         HAS_SINKS=sinks is not None,
     )
@@ -165,6 +172,8 @@ def paged_prefill_reference(
     score per head, dropped after the softmax."""
     n_heads, head_dim = q.shape[1], q.shape[2]
     block_size, n_kv = k_cache.shape[1], k_cache.shape[2]
+    if k_cache.dtype == torch.int8:
+        k_cache, v_cache = dequantize(k_cache), dequantize(v_cache)
     rows = zip(seq_lens.tolist(), query_starts.tolist(), query_lens.tolist(), strict=True)
     for i, (length, start, count) in enumerate(rows):
         blocks = block_tables[i, : -(-length // block_size)]

@@ -1,0 +1,175 @@
+/* The int8 KV cache (--kv-cache-dtype int8) for the CPU: writing K/V into it and paged
+ * attention over it, one query token per row, as paged_decode.c does for bf16 and fp32.
+ *
+ * A slot (one token, one KV head) is head_dim int8 values then their bf16 scale, 2 bytes
+ * (model/network/kv_int8.py). The writer rounds exactly as kv_int8.quantize does, so a
+ * token's bytes are the same whichever path wrote them. The kernel factors each slot's
+ * scale out of its dot product (scale_k * sum q[d] k[d]) and into the softmax weight of
+ * its value (p scale_v * v[d]), so the int8 values are widened to fp32 and never scaled
+ * one by one. Each (row, KV head) pair is computed whole on one thread, in the same order
+ * whatever else is in the batch, and a prefill's query takes the same path as a decode:
+ * a token's attention is the same bits however its prompt was chunked. The loops are
+ * plain C that the compiler vectorises for the level it builds (model/native/build.py).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#define MAX_HEAD_DIM 256
+#define MAX_GROUP 32
+#define SCALE_BYTES 2
+
+static inline float slot_scale(const int8_t *slot, int64_t head_dim) {
+    uint16_t bits;
+    memcpy(&bits, slot + head_dim, sizeof bits);
+    return from_bf16(bits);
+}
+
+/* One head's values into its slot: scale = bf16(max |x| / 127), q = round(x / scale). */
+static void quantize_slot(const void *x, int64_t first, int64_t head_dim, int bf16,
+                          int8_t *slot) {
+    float top = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) {
+        const float a = fabsf(load(x, first + d, bf16));
+        top = a > top ? a : top;
+    }
+    const uint16_t scale = to_bf16(top * (1.0f / 127.0f));
+    const float wide = from_bf16(scale), inverse = wide > 0.0f ? 1.0f / wide : 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) {
+        float q = rintf(load(x, first + d, bf16) * inverse);
+        q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q;
+        slot[d] = (int8_t)q;
+    }
+    memcpy(slot + head_dim, &scale, sizeof scale);
+}
+
+/* Row r's n_kv heads (at x + r * row_stride elements, heads contiguous) into slots[r] of
+ * the cache [slots, n_kv, head_dim + 2]. */
+static void write_rows(const void *x, int64_t row_stride, int64_t rows, const int64_t *slots,
+                       int8_t *cache, int64_t n_kv, int64_t head_dim, int bf16) {
+    const int64_t width = head_dim + SCALE_BYTES;
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t h = 0; h < n_kv; h++)
+            quantize_slot(x, r * row_stride + h * head_dim, head_dim, bf16,
+                          cache + (slots[r] * n_kv + h) * width);
+}
+
+/* For the C decoder layer (decoder_layer.c), whose K/V are bf16. */
+void kv_int8_write_bf16(const void *x, int64_t row_stride, int64_t rows, const int64_t *slots,
+                        int8_t *cache, int64_t n_kv, int64_t head_dim) {
+    write_rows(x, row_stride, rows, slots, cache, n_kv, head_dim, 1);
+}
+
+static void softmax(float *s, int64_t len) {
+    float top = s[0], total = 0.0f;
+    for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
+    for (int64_t t = 0; t < len; t++) {
+        s[t] = expf(s[t] - top);
+        total += s[t];
+    }
+    const float inverse = 1.0f / total;
+    for (int64_t t = 0; t < len; t++) s[t] *= inverse;
+}
+
+/* One (query row, KV head) pair: the `group` query heads in qf (already times the
+ * attention scale) against `len` tokens of `table`, the first `masked` hidden. */
+static void pair_int8(float qf[][MAX_HEAD_DIM], const int8_t *k_cache, const int8_t *v_cache,
+                      const int64_t *table, int64_t len, int64_t block_size,
+                      int64_t block_stride, int64_t token_stride, int64_t head_dim,
+                      int64_t group, int64_t masked, float *scores,
+                      float acc[][MAX_HEAD_DIM]) {
+    float x[MAX_HEAD_DIM];
+    for (int64_t b = 0, t = 0; t < len; b++) { /* scores: scale_k * (q . k) per query head */
+        const int8_t *block = k_cache + table[b] * block_stride;
+        for (int64_t i = 0; i < block_size && t < len; i++, t++) {
+            const int8_t *slot = block + i * token_stride;
+            const float scale = slot_scale(slot, head_dim);
+            for (int64_t d = 0; d < head_dim; d++) x[d] = (float)slot[d];
+            for (int64_t g = 0; g < group; g++) {
+                float dot = 0.0f;
+                for (int64_t d = 0; d < head_dim; d++) dot += qf[g][d] * x[d];
+                scores[g * len + t] = dot * scale;
+            }
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t t = 0; t < masked; t++) scores[g * len + t] = -INFINITY;
+        softmax(scores + g * len, len);
+        memset(acc[g], 0, sizeof(float) * head_dim);
+    }
+    for (int64_t b = 0, t = 0; t < len; b++) { /* the weighted sum of the values */
+        const int8_t *block = v_cache + table[b] * block_stride;
+        for (int64_t i = 0; i < block_size && t < len; i++, t++) {
+            const int8_t *slot = block + i * token_stride;
+            const float scale = slot_scale(slot, head_dim);
+            for (int64_t d = 0; d < head_dim; d++) x[d] = (float)slot[d];
+            for (int64_t g = 0; g < group; g++) {
+                const float p = scores[g * len + t] * scale;
+                for (int64_t d = 0; d < head_dim; d++) acc[g][d] += p * x[d];
+            }
+        }
+    }
+}
+
+/* As paged_decode.c's paged_decode, over int8 caches [blocks, block_size, n_kv,
+ * head_dim + 2]; q and out in bf16 or fp32. Returns 0, 1 for shapes past the fixed
+ * buffers, 2 when out of memory. */
+static int paged_decode_int8(const void *q, int64_t q_row_stride, const int8_t *k_cache,
+                             const int8_t *v_cache, const int64_t *block_tables,
+                             int64_t table_stride, const int64_t *seq_lens, void *out,
+                             int64_t rows, int64_t n_heads, int64_t n_kv, int64_t head_dim,
+                             int64_t block_size, float scale, int64_t window, int bf16) {
+    const int64_t group = n_heads / n_kv;
+    if (head_dim > MAX_HEAD_DIM || group > MAX_GROUP) return 1;
+    const int64_t token_stride = n_kv * (head_dim + SCALE_BYTES);
+    const int64_t block_stride = block_size * token_stride;
+    int64_t longest = 1;
+    for (int64_t r = 0; r < rows; r++) longest = seq_lens[r] > longest ? seq_lens[r] : longest;
+    int failed = 0;
+
+#pragma omp parallel reduction(| : failed)
+    {
+        float *scores = malloc(sizeof(float) * group * longest);
+        float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
+        failed = scores == NULL;
+#pragma omp for schedule(static, 1)
+        for (int64_t pair = 0; pair < rows * n_kv; pair++) {
+            if (failed) continue;
+            const int64_t r = pair / n_kv, h = pair % n_kv;
+            /* A window (0: none): whole blocks before it skipped, the rest masked. */
+            const int64_t skip = window > 0 && seq_lens[r] > window ? seq_lens[r] - window : 0;
+            const int64_t skipped_blocks = skip / block_size;
+            const int64_t len = seq_lens[r] - skipped_blocks * block_size;
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t first = r * q_row_stride + (h * group + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) qf[g][d] = load(q, first + d, bf16) * scale;
+            }
+            pair_int8(qf, k_cache + h * (head_dim + SCALE_BYTES),
+                      v_cache + h * (head_dim + SCALE_BYTES),
+                      block_tables + r * table_stride + skipped_blocks, len, block_size,
+                      block_stride, token_stride, head_dim, group, skip % block_size, scores,
+                      acc);
+            for (int64_t g = 0; g < group; g++) {
+                const int64_t first = (r * n_heads + h * group + g) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) store(out, first + d, acc[g][d], bf16);
+            }
+        }
+        free(scores);
+    }
+    return failed ? 2 : 0;
+}
+
+#define ARGS                                                                               \
+    const void *q, int64_t q_row_stride, const int8_t *k_cache, const int8_t *v_cache,     \
+        const int64_t *block_tables, int64_t table_stride, const int64_t *seq_lens,         \
+        void *out, int64_t rows, int64_t n_heads, int64_t n_kv, int64_t head_dim,           \
+        int64_t block_size, float scale, int64_t window
+#define PASS                                                                               \
+    q, q_row_stride, k_cache, v_cache, block_tables, table_stride, seq_lens, out, rows,     \
+        n_heads, n_kv, head_dim, block_size, scale, window
+
+int paged_decode_int8_bf16(ARGS) { return paged_decode_int8(PASS, 1); }
+int paged_decode_int8_f32(ARGS) { return paged_decode_int8(PASS, 0); }
