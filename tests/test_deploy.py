@@ -158,9 +158,11 @@ def test_dashboard_structure():
 
 
 def test_dashboard_rows():
-    """Fleet sums first, then one series per instance, then the router's own metrics."""
+    """Fleet sums first, then one series per instance, then one per model of a
+    several-model server, then the router's own metrics."""
     rows = [p["title"] for p in DASHBOARD["panels"] if p["type"] == "row"]
-    assert rows == ["Fleet", "Per instance", "Router (vllm-router)"]
+    per_model = "Per model (several-model server)"
+    assert rows == ["Fleet", "Per instance", per_model, "Router (vllm-router)"]
     by_row: dict[str, list[str]] = {}
     row = None
     for panel in sorted(DASHBOARD["panels"], key=lambda p: (p["gridPos"]["y"], p["gridPos"]["x"])):
@@ -172,6 +174,8 @@ def test_dashboard_rows():
         assert "by (instance" in expr, expr
     assert all("vllm_router_" in e for e in by_row["Router (vllm-router)"])
     assert not any("vllm_router_" in e for e in by_row["Fleet"] + by_row["Per instance"])
+    for expr in by_row[per_model]:
+        assert "model_name)" in expr, expr  # a series per model
 
 
 @pytest.mark.parametrize(
