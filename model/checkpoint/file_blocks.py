@@ -45,7 +45,7 @@ class FileBlocks:
         return self.raw.numel()
 
     def rows(self, start: int, end: int) -> FileBlocks:
-        return replace(self, raw=self.raw[start:end])
+        return replace(self, raw=self.raw[start:end], stack=1)
 
     def matrix(self, index: int) -> FileBlocks:
         """The stack's matrix `index`, on its own."""
