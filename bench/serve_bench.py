@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.embed_bench import race as embed_race
+from bench.gpt_oss_shape import gpt_oss_shape_gguf
 from bench.loadgen import RunStats, make_prompt, run_closed_loop
 from bench.moe_shape import moe_shape_gguf
 from bench.race_report import report
@@ -50,9 +51,9 @@ class Scenario:
     # Every request held to this JSON schema, against the same load unconstrained (both
     # llamaserve): what structured output costs.
     json_schema: dict | None = None
-    # On the Qwen3-30B-A3B-shaped GGUF (bench/moe_shape.py) instead of --model, against
+    # On a GGUF of a bigger model's shape instead of --model (SHAPED_MODELS), against
     # llama-server only.
-    moe: bool = False
+    shaped: str = ""
 
     def describe(self) -> str:
         shared = f", {self.shared_prefix} shared" if self.shared_prefix else ""
@@ -82,9 +83,13 @@ SCENARIOS = {
     "f": Scenario(
         "f", clients=16, prompt_len=128, max_tokens=64, requests=32, json_schema=LIST_SCHEMA
     ),
-    "x": Scenario("x", clients=1, prompt_len=128, max_tokens=64, requests=4, moe=True),
-    "y": Scenario("y", clients=8, prompt_len=128, max_tokens=64, requests=16, moe=True),
+    "x": Scenario("x", clients=1, prompt_len=128, max_tokens=64, requests=4, shaped="qwen3-moe"),
+    "y": Scenario("y", clients=8, prompt_len=128, max_tokens=64, requests=16, shaped="qwen3-moe"),
+    "g": Scenario("g", clients=1, prompt_len=128, max_tokens=64, requests=4, shaped="gpt-oss"),
+    "h": Scenario("h", clients=8, prompt_len=128, max_tokens=64, requests=16, shaped="gpt-oss"),
 }
+# Random-weight GGUFs at a real model's layer shape, written once into the model cache.
+SHAPED_MODELS = {"qwen3-moe": moe_shape_gguf, "gpt-oss": gpt_oss_shape_gguf}
 
 
 def make_prompts(tokenizer: object, scenario: Scenario, seed: int, scale: float) -> list[list[int]]:
@@ -216,10 +221,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
     p.add_argument(
         "--scenarios",
-        default="abcdefmsxy",
+        default="abcdefmsxygh",
         help="a-f: generation on --model; m: embeddings (bench/embed_bench.py); s: "
         "speculative decoding on --model (bench/spec_bench.py); x, y: generation on a "
-        "mixture of experts at Qwen3-30B-A3B's layer shape (bench/moe_shape.py)",
+        "mixture of experts at Qwen3-30B-A3B's layer shape (bench/moe_shape.py); g, h: "
+        "at gpt-oss-20b's, MXFP4 experts (bench/gpt_oss_shape.py)",
     )
     p.add_argument(
         "--servers",
@@ -262,11 +268,11 @@ def main(argv: list[str] | None = None) -> None:
             continue
         scenario = SCENARIOS[key]
         model, servers, words = args.model, args.servers, tokenizer
-        if scenario.moe:
-            model = moe_shape_gguf()
+        if scenario.shaped:
+            model = SHAPED_MODELS[scenario.shaped]()
             servers = [s for s in args.servers if s != "transformers"]
             words = tokenizer_from_gguf(open_gguf(model).metadata)
-            print(f"\nmixture of experts: {model.name}")
+            print(f"\n{scenario.shaped} shape: {model.name}")
         prompts = make_prompts(words, scenario, seed + ord(key), args.scale)
         report(scenario, race(scenario, prompts, servers, args, model))
 

@@ -201,6 +201,7 @@ def test_an_hf_pair_of_blocks_and_scales_reads_as_mxfp4_rows(tmp_path) -> None:
     want = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32).transpose(1, 2)
     expert = 2
     assert torch.equal(joined.rows(expert * 64, (expert + 1) * 64).dequantize(), want[expert])
+    assert joined.stack == 4 and torch.equal(joined.matrix(expert).dequantize(), want[expert])
     assert torch.equal(read["model.norm.weight"], norm.float())
 
 

@@ -26,12 +26,15 @@ HELD_BLOCK_TYPES = frozenset({T.MXFP4})
 
 @dataclass(frozen=True)
 class FileBlocks:
-    """raw: uint8 [rows, bytes a row]; width: weights a row; dtype: what `dequantize` gives."""
+    """raw: uint8 [rows, bytes a row]; width: weights a row; dtype: what `dequantize` gives;
+    stack: how many matrices of equal rows `raw` holds one after another (a layer's
+    experts, as an HF checkpoint stacks them), each taken by `matrix`."""
 
     raw: torch.Tensor
     qtype: GGMLQuantizationType
     width: int
     dtype: torch.dtype
+    stack: int = 1
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -42,7 +45,12 @@ class FileBlocks:
         return self.raw.numel()
 
     def rows(self, start: int, end: int) -> FileBlocks:
-        return replace(self, raw=self.raw[start:end])
+        return replace(self, raw=self.raw[start:end], stack=1)
+
+    def matrix(self, index: int) -> FileBlocks:
+        """The stack's matrix `index`, on its own."""
+        rows = self.raw.shape[0] // self.stack
+        return replace(self, raw=self.raw[index * rows : (index + 1) * rows], stack=1)
 
     def blocks(self) -> torch.Tensor:
         """The rows' blocks, [rows * blocks a row, bytes a block], in the file's order."""

@@ -3,8 +3,8 @@
 `X_scales` (uint8 [..., rows, n_blocks]), joined here into one `X` in GGUF's MXFP4 blocks
 (model/checkpoint/mxfp4.py), handed on as FileBlocks so that an MXFP4 layer holds them as
 they are: never expanded to floats. A stacked experts' pair [experts, rows, ...] comes as
-one FileBlocks of experts * rows rows, expert e's being rows e * rows to (e + 1) * rows
-(`FileBlocks.rows`); naming each expert's is the family's (model/families/)."""
+one FileBlocks of experts * rows rows, a stack of one matrix an expert
+(`FileBlocks.matrix`); naming each expert's is the family's (model/families/)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def _joined(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> F
     raw = torch.empty(parts[0].shape[0], rows, n_blocks * 17, dtype=torch.uint8)
     for i in range(raw.shape[0]):
         raw[i] = hf_to_gguf_blocks(parts[0][i], parts[1][i])
-    return FileBlocks(raw.reshape(-1, n_blocks * 17), T.MXFP4, n_blocks * BLOCK, dtype)
+    width = n_blocks * BLOCK
+    return FileBlocks(raw.reshape(-1, n_blocks * 17), T.MXFP4, width, dtype, raw.shape[0])
 
 
 def hf_mxfp4_linears(directory: Path, config: ModelConfig) -> frozenset[str]:

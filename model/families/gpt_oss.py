@@ -13,19 +13,28 @@
 transformers stores a layer's experts stacked: `gate_up_proj` [experts, hidden, 2 ffn],
 multiplied as x @ W (transposed against a linear layer's weight) with gate and up in
 alternate columns, and `down_proj` [experts, ffn, hidden]; they are split here into each
-expert's gate, up and down. llama.cpp writes them as three stacks plus their biases
-(`ffn_{gate,up,down}_exps.{weight,bias}`), the sinks as `attn_sinks.weight` and the norm
-before the experts as `post_attention_norm`, and fixes the limit (7) and the gain (1.702).
+expert's gate, up and down. Its MXFP4 checkpoints (`quant_method: mxfp4`) store them as
+`*_blocks`/`*_scales` pairs, already in a linear layer's rows; each expert's rows keep
+their blocks (model/quant/mxfp4.py holds them as stored). llama.cpp writes them as three
+stacks plus their biases (`ffn_{gate,up,down}_exps.{weight,bias}`), the sinks as
+`attn_sinks.weight` and the norm before the experts as `post_attention_norm`, and fixes
+the limit (7) and the gain (1.702).
 """
+
+from __future__ import annotations
 
 import re
 from collections.abc import Iterator
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from model.errors import UnsupportedModelError
 from model.families.spec import Family, Fields
+
+if TYPE_CHECKING:  # model/checkpoint/ imports the families: no import back at run time
+    from model.checkpoint.file_blocks import FileBlocks
 
 _STACKED = re.compile(r"(.*\.mlp\.experts)\.(gate_up_proj|down_proj)(_bias)?")
 # llama.cpp's graph hard-codes these; transformers reads them from config.json.
@@ -83,17 +92,20 @@ def _gguf_fields(md: dict[str, Any], source: str) -> Fields:
     }
 
 
-def _split_hf(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tensor]]:
+def _split_hf(
+    name: str, tensor: torch.Tensor | FileBlocks
+) -> Iterator[tuple[str, torch.Tensor | FileBlocks]]:
     """Stacked experts -> each expert's `gate_proj`, `up_proj` and `down_proj` weight and
     bias in a linear layer's orientation; the router under the name the other families'
     routers have."""
-    if name.endswith(("_blocks", "_scales")):
-        raise UnsupportedModelError(f"{name}: MXFP4 experts are not supported yet")
     m = _STACKED.fullmatch(name)
     if m is None:
         yield name.replace(".mlp.router.", ".mlp.gate."), tensor
         return
     prefix, part, bias = m.group(1), m.group(2), m.group(3) is not None
+    if not isinstance(tensor, torch.Tensor):  # an MXFP4 stack's FileBlocks
+        yield from _split_mxfp4(prefix, part, tensor)
+        return
     kind = "bias" if bias else "weight"
     for expert, value in enumerate(tensor):
         if part == "down_proj":
@@ -104,6 +116,21 @@ def _split_hf(name: str, tensor: torch.Tensor) -> Iterator[tuple[str, torch.Tens
             gate, up = gate.t(), up.t()
         yield f"{prefix}.{expert}.gate_proj.{kind}", gate.contiguous()
         yield f"{prefix}.{expert}.up_proj.{kind}", up.contiguous()
+
+
+def _split_mxfp4(prefix: str, part: str, stack: FileBlocks) -> Iterator[tuple[str, FileBlocks]]:
+    """An MXFP4 stack (model/checkpoint/hf_mxfp4.py): its blocks are already a linear
+    layer's rows ([experts, out, in / 32, 16], what transformers' dequantisation transposes
+    into `x @ W`'s columns), so each expert's gate and up are its even and odd rows, moved
+    as the blocks they are."""
+    for expert in range(stack.stack):
+        rows = stack.matrix(expert)
+        if part == "down_proj":
+            yield f"{prefix}.{expert}.down_proj.weight", rows
+            continue
+        gate, up = (replace(rows, raw=rows.raw[first::2].contiguous()) for first in (0, 1))
+        yield f"{prefix}.{expert}.gate_proj.weight", gate
+        yield f"{prefix}.{expert}.up_proj.weight", up
 
 
 GPT_OSS = Family(
