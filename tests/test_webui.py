@@ -78,7 +78,8 @@ def test_the_flag_reaches_the_configuration(monkeypatch, flags: list[str], webui
 
     monkeypatch.setattr(launch, "build_server", capture)
     with pytest.raises(Built) as built:
-        serve(build_parser().parse_args(["serve", *flags]))
+        argv = ["serve", *flags]
+        serve(build_parser().parse_args(argv), argv)
     assert built.value.args[0].webui is webui
 
 
