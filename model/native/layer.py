@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from model.native.build import load_library
+from model.native.lora import NativeLoraStep
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -73,6 +74,9 @@ class _DecoderLayer(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("o_bias", _PTR),
         ("sinks", _PTR),
+        ("lora_a", _PTR * 4),
+        ("lora_bt", _PTR * 4),
+        ("lora", _PTR),
     ]
 
 
@@ -131,6 +135,20 @@ class NativeDecoderLayer:
         )
         self._tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         self._pointer = ctypes.addressof(self._struct)
+        self.lora = False  # whether `use_lora` gave this layer the adapters' stacks
+
+    def use_lora(self, a: list[torch.Tensor], bt: list[torch.Tensor], step: NativeLoraStep) -> None:
+        """Adds the update of each adapter row after every projection: `a` and `bt` the
+        resident slots' A and B^T stacks of Q/K/V, O, gate/up and down
+        (model/lora/slots.py, fp32 contiguous), `step` the rows every layer reads."""
+        assert all(t.dtype == torch.float32 and t.is_contiguous() for t in a + bt)
+        self._tensors += [*a, *bt]
+        self._step = step  # referenced: the struct points into it
+        for i, (a_stack, bt_stack) in enumerate(zip(a, bt, strict=True)):
+            self._struct.lora_a[i] = a_stack.data_ptr()
+            self._struct.lora_bt[i] = bt_stack.data_ptr()
+        self._struct.lora = step.pointer
+        self.lora = True
 
     def attention_input(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
