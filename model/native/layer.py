@@ -2,9 +2,10 @@
 models whose linear layers all run on the C kernels (int4 with bf16 or int8 activations,
 int5, int6 or grouped int8, per projection), with each family's additions: Qwen2's Q/K/V
 bias, the per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms after attention and the MLP and
-its GELU-tanh gate, gpt-oss's O bias and attention sinks. A layer whose MLP is a mixture of
-experts stops after attention's residual add: its caller runs the experts
-(model/network/moe.py).
+its GELU-tanh gate, gpt-oss's O bias and attention sinks; with LoRA adapters resident, the
+update of each adapter row after every projection (`use_lora`, model/native/lora.py). A
+layer whose MLP is a mixture of experts stops after attention's residual add: its caller
+runs the experts (model/network/moe.py).
 
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
 casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
@@ -142,8 +143,9 @@ class NativeDecoderLayer:
         resident slots' A and B^T stacks of Q/K/V, O, gate/up and down
         (model/lora/slots.py, fp32 contiguous), `step` the rows every layer reads."""
         assert all(t.dtype == torch.float32 and t.is_contiguous() for t in a + bt)
-        self._tensors += [*a, *bt]
-        self._step = step  # referenced: the struct points into it
+        # Referenced while the struct points into them; an earlier table's are let go.
+        self._lora_tensors = [*a, *bt]
+        self._step = step
         for i, (a_stack, bt_stack) in enumerate(zip(a, bt, strict=True)):
             self._struct.lora_a[i] = a_stack.data_ptr()
             self._struct.lora_bt[i] = bt_stack.data_ptr()
