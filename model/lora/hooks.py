@@ -59,8 +59,9 @@ def _use_native(model: nn.Module, slots: LoraSlots) -> NativeLoraStep | None:
         for index, layer in enumerate(model.layers)
         if getattr(layer, "native", None) is not None and layer.moe is None
     ]
-    if not layers or not slots.bt:
+    if not layers:
         return None
+    slots.use_transposed()
     step = NativeLoraStep(slots.ranks, slots.max_rank)
     for index, layer in layers:
         a = [slots.a[index, fused] for fused in FUSED]

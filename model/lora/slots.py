@@ -46,12 +46,10 @@ class LoraSlots:
         # fp32 keeps it within PEFT's own rounding.
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
-        # On the CPU, B transposed without the block-diagonal zeros ([slots, rank, out]: each
-        # output column under its own target's rank) for the C decoder layer's update
-        # (model/native/lora_update.c), which reads it row by row.
+        # B transposed without the block-diagonal zeros, for the C decoder layer
+        # (`use_transposed`); empty where no layer runs there.
         self.bt: dict[tuple[int, str], torch.Tensor] = {}
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # each slot's largest rank
-        on_cpu = torch.device(device).type == "cpu"
         for layer in range(config.n_layers):
             for fused, targets in FUSED.items():
                 width = len(targets) * max_rank
@@ -59,8 +57,6 @@ class LoraSlots:
                 n_out = sum(shapes[t][1] for t in targets)
                 self.a[layer, fused] = torch.zeros(max_loras, width, n_in, device=device)
                 self.b[layer, fused] = torch.zeros(max_loras, n_out, width, device=device)
-                if on_cpu:
-                    self.bt[layer, fused] = torch.zeros(max_loras, max_rank, n_out)
         self._out_offsets = {
             fused: _offsets([shapes[t][1] for t in targets]) for fused, targets in FUSED.items()
         }
@@ -72,6 +68,20 @@ class LoraSlots:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (*self.a.values(), *self.b.values(), *self.bt.values()))
+
+    def use_transposed(self) -> None:
+        """Keeps each B also as [slots, rank, out] on the CPU, each output column under its
+        own target's rank, as the C decoder layer's update (model/native/lora_update.c)
+        reads it: row by row, without the block-diagonal zeros."""
+        r = self.max_rank
+        for key, b in self.b.items():
+            if key in self.bt:
+                continue
+            bt = torch.zeros(self.max_loras, r, b.shape[1])
+            for index, (start, end) in enumerate(self._out_offsets[key[1]]):
+                block = b[:, start:end, index * r : (index + 1) * r]
+                bt[:, :, start:end] = block.transpose(1, 2).cpu()
+            self.bt[key] = bt
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Writes `adapter` into `slot`, replacing whatever was there."""
