@@ -12,9 +12,9 @@ from model.native.lora import NativeLoraStep
 from tests.native_builds import ISAS, library_at
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-# A row width and target widths off the kernel's 16 lanes and 64-column blocks, ranks below
+# A row width and target widths off the kernel's 16 lanes and 256-column blocks, ranks below
 # the padded one (and an empty slot), enough weights to share the work among threads.
-K, SIZES, MAX_RANK, RANKS = 603, [130, 64, 50], 16, [5, 0, 16]
+K, SIZES, MAX_RANK, RANKS = 603, [300, 64, 50], 16, [5, 0, 16]
 ROW_SLOTS = [2, -1, 0, 2, 0, -1, 2]
 
 

@@ -17,7 +17,9 @@
 #include "lora_step.h"
 
 #define LANES 16
-#define COLUMNS 64
+/* Output columns per item of the expand: long runs along each row of B^T, for the
+ * prefetchers, and one accumulator row that stays in L1. */
+#define COLUMNS 256
 /* Below this many fp32 weights an update is cheaper on one thread than waking the team. */
 #define PARALLEL_WEIGHTS 16384
 
