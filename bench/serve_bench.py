@@ -1,7 +1,7 @@
 """llamaserve against llama.cpp's llama-server on the same GGUF, the same thread count and
 the same load, side by side; `make bench` runs it.
 
-    python -m bench.serve_bench                     # scenarios a-f, m and s, every peer
+    python -m bench.serve_bench                     # scenarios a-f, l, m and s, every peer
     python -m bench.serve_bench --scenarios a --servers llamaserve --scale 0.5
 
 For each scenario a fresh server of each kind is started, driven by one closed-loop load
@@ -27,6 +27,7 @@ from pathlib import Path
 from bench.embed_bench import race as embed_race
 from bench.gpt_oss_shape import gpt_oss_shape_gguf
 from bench.loadgen import RunStats, make_prompt, run_closed_loop
+from bench.lora_bench import race as lora_race
 from bench.moe_shape import moe_shape_gguf
 from bench.race_report import report
 from bench.servers import (
@@ -221,8 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
     p.add_argument(
         "--scenarios",
-        default="abcdefmsxygh",
-        help="a-f: generation on --model; m: embeddings (bench/embed_bench.py); s: "
+        default="abcdeflmsxygh",
+        help="a-f: generation on --model; l: LoRA adapters against the base on --model "
+        "(bench/lora_bench.py); m: embeddings (bench/embed_bench.py); s: "
         "speculative decoding on --model (bench/spec_bench.py); x, y: generation on a "
         "mixture of experts at Qwen3-30B-A3B's layer shape (bench/moe_shape.py); g, h: "
         "at gpt-oss-20b's, MXFP4 experts (bench/gpt_oss_shape.py)",
@@ -260,6 +262,9 @@ def main(argv: list[str] | None = None) -> None:
     for key in args.scenarios:
         if key == "m":  # its own model and peer: sentence-transformers
             embed_race(args.threads, seed + ord(key), extra=args.llamaserve_args)
+            continue
+        if key == "l":  # llamaserve against itself, with and without adapters
+            lora_race(args.model, args.threads, seed + ord(key), args.scale, 128)
             continue
         if key == "s":  # llamaserve against itself, with and without guessing
             spec_race(

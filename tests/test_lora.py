@@ -151,23 +151,42 @@ def test_a_gguf_lora_for_another_family_is_refused(case, tmp_path):
         read_adapter("x", tmp_path / "x.gguf", ours.config)
 
 
-def test_a_quantised_base_on_the_c_decoder_layer_keeps_the_update(tmp_path):
-    """w4a8 in bfloat16 runs every layer on the C decoder layer, which would bypass the
-    update: a step with adapter rows must take the PyTorch path. The adapter's effect on
-    the logits follows PEFT's (float32) one, and base rows in that step stay as alone."""
+def test_a_quantised_base_on_the_c_decoder_layer_adds_the_update_there(tmp_path):
+    """w4a8 in bfloat16 runs every layer on the C decoder layer, which adds the adapter
+    rows' update itself (model/native/lora_update.c): its logits match the PyTorch layers
+    with the hooks (the reference), base rows beside adapter rows keep the C layer's bits
+    alone, an adapter row's do not depend on its neighbours, and the adapter's effect
+    follows PEFT's (float32) one."""
     hf = make_tiny_llama(tmp_path / "base")
     write_tiny_tokenizer(tmp_path / "base")
     peft_model = make_adapter(hf, tmp_path / "adapter", 8)
     ours = load_model(tmp_path / "base", dtype="bfloat16", quantization="w4a8", progress=False)
-    assert all(layer.native is not None for layer in ours.model.layers)
-    base_alone = mixed_logits(ours, [-1, -1, -1])
-    slots = LoraSlots(ours.config, max_loras=1, max_rank=8, device="cpu")
+    layers = ours.model.layers
+    assert all(layer.native is not None for layer in layers)
+    # A wider rank than the adapter's, in the second slot: the padding must not count.
+    slots = LoraSlots(ours.config, max_loras=2, max_rank=16, device="cpu")
     attach_lora(ours.model, slots)
-    slots.load(0, read_adapter("a", tmp_path / "adapter", ours.config))
-    got = mixed_logits(ours, [0, -1, 0])
-    assert (got[1] - base_alone[1]).abs().max().item() < 0.1
+    assert all(layer.native.lora for layer in layers)
+    adapter = read_adapter("a", tmp_path / "adapter", ours.config)
+    slots.load(1, adapter)
+    # B^T written as an adapter loads is B^T taken from the stacks after it loaded.
+    later = LoraSlots(ours.config, max_loras=2, max_rank=16, device="cpu")
+    later.load(1, adapter)
+    later.use_transposed()
+    assert all(torch.equal(later.bt[key], bt) for key, bt in slots.bt.items())
+    base_alone = mixed_logits(ours, [-1, -1, -1])
+    got = mixed_logits(ours, [1, -1, 1])
+    assert torch.equal(got[1], base_alone[1])
+    assert torch.equal(mixed_logits(ours, [1, 1, -1])[0], got[0])
+    for layer in layers:
+        layer.native.lora = False  # the PyTorch layers, through the hooks
+    reference = mixed_logits(ours, [1, -1, 1])
+    for layer in layers:
+        layer.native.lora = True
     for index in (0, 2):
+        assert (got[index] - reference[index]).abs().max().item() < 0.05
         ours_effect = (got[index] - base_alone[index]).flatten()
+        assert ours_effect.abs().max().item() > 0.5
         ids = PROMPTS[index]
         want = peft_logits(peft_model, ids, True) - peft_logits(peft_model, ids, False)
         cosine = torch.nn.functional.cosine_similarity(ours_effect, want.flatten(), dim=0)

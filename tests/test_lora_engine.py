@@ -21,11 +21,16 @@ BYTES_PER_BLOCK = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV 
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def base_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("base")
+    make_tiny_llama(directory)
+    write_tiny_tokenizer(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def served(base_dir, tmp_path_factory):
     """The tiny base and three PEFT adapters of it (ranks 8, 16, 8 with rsLoRA)."""
-    base_dir = tmp_path_factory.mktemp("base")
-    make_tiny_llama(base_dir)
-    write_tiny_tokenizer(base_dir)
     loras = []
     for index, (rank, rslora) in enumerate([(8, False), (16, False), (8, True)]):
         directory = tmp_path_factory.mktemp(f"adapter{index}")
@@ -151,3 +156,34 @@ def test_an_adapter_gone_from_disk_fails_its_request_alone(served, mix, tmp_path
     assert "neither a directory nor a file" in results[("lost", 0)].outputs[-1].error
     assert results[("kept", 0)].token_ids == base
     assert e.scheduler.kv.num_used_blocks == 0
+
+
+def test_adapter_rows_on_the_c_decoder_layer_keep_their_tokens(base_dir, served, monkeypatch):
+    """bfloat16 w4a8 runs every layer on the C decoder layer, decodes in one call per layer,
+    with the adapter rows' update in C: a batch of three adapters and the base gives each
+    request its tokens alone, and the tokens of the PyTorch layers with the hooks."""
+    from model.native.layer import NativeDecoderLayer
+
+    _, loras = served
+    loaded = load_model(base_dir, dtype="bfloat16", quantization="w4a8", progress=False)
+    e = engine(loaded)
+    layers = loaded.model.layers
+    assert all(layer.native is not None and layer.native.lora for layer in layers)
+    decoded = []
+    one_call = NativeDecoderLayer.decode
+
+    def spy(self, *args, **kwargs):
+        out = one_call(self, *args, **kwargs)
+        decoded.append(out is not None and self._step.struct.row_slots is not None)
+        return out
+
+    monkeypatch.setattr(NativeDecoderLayer, "decode", spy)
+    ps, assignment = prompts()[2:6], [loras[0], loras[1], None, loras[2]]
+    alone = [serve(loaded, [lo], [ids], e)[0][0] for ids, lo in zip(ps, assignment, strict=True)]
+    got = serve(loaded, assignment, ps, e)[0]
+    assert any(decoded)  # adapter rows through the one-call decode
+    assert got == alone
+    for layer in layers:
+        layer.native.lora = False  # the PyTorch layers, through the hooks
+    assert serve(loaded, assignment, ps, e)[0] == got
+    assert len({tuple(tokens) for tokens in got}) == 4

@@ -91,7 +91,7 @@ def test_each_build_holds_only_its_levels_instructions(level: str) -> None:
         text=True,
         check=True,
     ).stdout
-    assert "paged_decode_bf16" in code and "mxfp4_matmul_f32" in code
+    assert "paged_decode_bf16" in code and "mxfp4_matmul_f32" in code and "lora_update" in code
     for register in FORBIDDEN[level]:
         assert f"%{register}" not in code, register
     if level == "avx2":

@@ -46,6 +46,10 @@ class LoraSlots:
         # fp32 keeps it within PEFT's own rounding.
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
+        # B transposed without the block-diagonal zeros, for the C decoder layer
+        # (`use_transposed`); empty where no layer runs there.
+        self.bt: dict[tuple[int, str], torch.Tensor] = {}
+        self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # each slot's largest rank
         for layer in range(config.n_layers):
             for fused, targets in FUSED.items():
                 width = len(targets) * max_rank
@@ -59,10 +63,25 @@ class LoraSlots:
         # This step's groups: (slot, the token rows that use it; None: every row).
         self.groups: list[tuple[int, torch.Tensor | None]] = []
         self.row_slots: torch.Tensor | None = None  # each row's slot, for `kernel`
+        self.cpu_row_slots: torch.Tensor | None = None  # each row's slot, int64, on the CPU
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.a.values(), *self.b.values()))
+        return sum(t.nbytes for t in (*self.a.values(), *self.b.values(), *self.bt.values()))
+
+    def use_transposed(self) -> None:
+        """Keeps each B also as [slots, rank, out] on the CPU, each output column under its
+        own target's rank, as the C decoder layer's update (model/native/lora_update.c)
+        reads it: row by row, without the block-diagonal zeros."""
+        r = self.max_rank
+        for key, b in self.b.items():
+            if key in self.bt:
+                continue
+            bt = torch.zeros(self.max_loras, r, b.shape[1])
+            for index, (start, end) in enumerate(self._out_offsets[key[1]]):
+                block = b[:, start:end, index * r : (index + 1) * r]
+                bt[:, :, start:end] = block.transpose(1, 2).cpu()
+            self.bt[key] = bt
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Writes `adapter` into `slot`, replacing whatever was there."""
@@ -79,23 +98,30 @@ class LoraSlots:
                 start, end = self._out_offsets[fused][index]
                 a_stack[slot, index * r : index * r + rank] = a.to(a_stack.device)
                 b_stack[slot, start:end, index * r : index * r + rank] = b.to(b_stack.device)
+                if self.bt:
+                    self.bt[layer, fused][slot, :rank, start:end] = b.T
+        self.ranks[slot] = adapter.max_rank
 
     def clear(self, slot: int) -> None:
-        for stack in (*self.a.values(), *self.b.values()):
+        for stack in (*self.a.values(), *self.b.values(), *self.bt.values()):
             stack[slot].zero_()
+        self.ranks[slot] = 0
 
     def begin(
         self, seq_slots: list[int] | None, query_lens: list[int], device: torch.device
     ) -> None:
         """Groups this step's token rows by slot (-1: the base model alone)."""
         self.groups = []
-        self.row_slots = None
+        self.row_slots = self.cpu_row_slots = None
         if seq_slots is None:
             return
-        if self.kernel is not None:
+        if self.kernel is not None or self.bt:
             lengths = torch.tensor(query_lens)
-            slots = torch.repeat_interleave(torch.tensor(seq_slots), lengths)
-            self.row_slots = slots.to(device=device, dtype=torch.int32)
+            slots = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.int64), lengths)
+            if self.kernel is not None:
+                self.row_slots = slots.to(device=device, dtype=torch.int32)
+            else:
+                self.cpu_row_slots = slots
         rows: dict[int, list[int]] = {}
         start = 0
         for slot, length in zip(seq_slots, query_lens, strict=True):

@@ -1,7 +1,7 @@
 """Builds the C kernels beside this file (paged attention, RMSNorm, int4 matmuls with bf16
 or int8 activations, the 5-, 6- and 8-bit and MXFP4 matmuls and the 6-bit grid finder, the decoder
-layer around attention, a mixture of experts' experts, greedy argmax) into one shared
-library for this machine, once, and loads it with ctypes.
+layer around attention with its LoRA update, a mixture of experts' experts, greedy argmax)
+into one shared library for this machine, once, and loads it with ctypes.
 
 C rather than a PyTorch extension: plain C with no PyTorch headers compiles in about a
 second with the system's compiler, so the library is simply built where it runs, with
@@ -45,6 +45,7 @@ SOURCES = (
     "int6_grid.c",
     "int8_matmul.c",
     "decoder_layer.c",
+    "lora_update.c",
     "moe_experts.c",
     "mxfp4_matmul.c",
     "argmax.c",
@@ -59,6 +60,7 @@ HEADERS = (
     "int6_avx512.h",
     "int8_rows.h",
     "layer_weight.h",
+    "lora_step.h",
 )
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every

@@ -12,6 +12,8 @@
  * attention (with gpt-oss's attention sinks): the whole layer in one call.
  * A layer whose MLP is a mixture of experts (ffn 0) stops after the attention's residual:
  * its caller runs the experts (model/network/moe.py).
+ * With LoRA adapters resident, each projection's base product is followed by the update of
+ * the step's adapter rows (lora_update.c), where the PyTorch layer's hooks add it.
  *
  * Each step rounds to bf16 where the PyTorch layer (model/decoder_layer.py) does: every
  * op's output is a bf16 tensor there, so it is here. Rows are computed alone, in the same
@@ -24,6 +26,7 @@
 
 #include "bf16.h"
 #include "layer_weight.h"
+#include "lora_step.h"
 
 /* Elementwise loops are shared among the OpenMP team only for enough rows (a prefill
  * chunk): waking it costs more than a decode step's few rows of work. */
@@ -89,7 +92,33 @@ typedef struct {
     float eps;
     const uint16_t *o_bias; /* gpt-oss */
     const float *sinks;     /* gpt-oss: [n_heads] fp32 logits in each softmax's denominator */
+    /* LoRA adapters (model/lora/slots.py), per fused projection (qkv, o, gate_up, down): the
+     * slots' A [slots, targets * max_rank, in] and B^T [slots, max_rank, out], fp32; NULL
+     * without adapters. `lora`: the step's rows and slots, shared by every layer. */
+    const float *lora_a[4], *lora_bt[4];
+    const lora_step *lora;
 } decoder_layer;
+
+enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
+
+/* The base product of one of the layer's projections, then each adapter row's update. */
+static int project(const decoder_layer *l, int which, const uint16_t *x, int64_t x_stride,
+                   uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
+    const layer_weight *w = which == QKV ? &l->qkv
+                            : which == O ? &l->o
+                            : which == GATE_UP ? &l->gate_up
+                                               : &l->down;
+    int status = matmul(w, x, x_stride, y, rows, n_out, k);
+    if (status || l->lora == NULL || l->lora->row_slots == NULL || l->lora_a[which] == NULL)
+        return status;
+    const int64_t kv = l->n_kv * l->head_dim;
+    const int64_t qkv_sizes[3] = {l->n_heads * l->head_dim, kv, kv};
+    const int64_t ffn_sizes[2] = {l->ffn, l->ffn}, whole[1] = {n_out};
+    const int64_t *sizes = which == QKV ? qkv_sizes : which == GATE_UP ? ffn_sizes : whole;
+    const int64_t n_targets = which == QKV ? 3 : which == GATE_UP ? 2 : 1;
+    return lora_update(l->lora, l->lora_a[which], l->lora_bt[which], n_targets, sizes, x,
+                       x_stride, y, rows, n_out, k);
+}
 
 static inline uint16_t add_bf16(uint16_t a, uint16_t b) {
     return to_bf16(from_bf16(a) + from_bf16(b));
@@ -104,7 +133,7 @@ int decoder_attention_input(const decoder_layer *l, const uint16_t *h, int64_t r
     uint16_t *normed = malloc(sizeof(uint16_t) * (rows > 0 ? rows : 1) * l->dim);
     if (normed == NULL) return 2;
     rms_norm_bf16(h, l->input_norm, normed, rows, l->dim, l->eps);
-    int status = matmul(&l->qkv, normed, l->dim, qkv, rows, width, l->dim);
+    int status = project(l, QKV, normed, l->dim, qkv, rows, width, l->dim);
     free(normed);
     if (status) return status;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
@@ -143,7 +172,7 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
     uint16_t *act = malloc(sizeof(uint16_t) * n * f);
     int status = 2;
     if (!projected || !normed || !gate_up || !act) goto done;
-    if ((status = matmul(&l->o, attn, attn_stride, projected, rows, dim, q_size))) goto done;
+    if ((status = project(l, O, attn, attn_stride, projected, rows, dim, q_size))) goto done;
     if (l->attn_out_norm != NULL)
         rms_norm_bf16(projected, l->attn_out_norm, projected, rows, dim, l->eps);
     if (l->o_bias != NULL)
@@ -153,7 +182,7 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
     for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(h[i], projected[i]);
     if (ffn == 0) goto done; /* a mixture of experts: the caller's */
     rms_norm_bf16(out, l->post_attention_norm, normed, rows, dim, l->eps);
-    if ((status = matmul(&l->gate_up, normed, dim, gate_up, rows, 2 * ffn, dim))) goto done;
+    if ((status = project(l, GATE_UP, normed, dim, gate_up, rows, 2 * ffn, dim))) goto done;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t i = 0; i < ffn; i++) {
@@ -165,7 +194,7 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
                                     : g / (1.0f + expf(-g));
             act[r * ffn + i] = to_bf16(round_to(a, 1) * from_bf16(gate_up[r * 2 * ffn + ffn + i]));
         }
-    if ((status = matmul(&l->down, act, ffn, projected, rows, dim, ffn))) goto done;
+    if ((status = project(l, DOWN, act, ffn, projected, rows, dim, ffn))) goto done;
     if (l->ffn_out_norm != NULL)
         rms_norm_bf16(projected, l->ffn_out_norm, projected, rows, dim, l->eps);
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)

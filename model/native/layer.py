@@ -2,9 +2,10 @@
 models whose linear layers all run on the C kernels (int4 with bf16 or int8 activations,
 int5, int6 or grouped int8, per projection), with each family's additions: Qwen2's Q/K/V
 bias, the per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms after attention and the MLP and
-its GELU-tanh gate, gpt-oss's O bias and attention sinks. A layer whose MLP is a mixture of
-experts stops after attention's residual add: its caller runs the experts
-(model/network/moe.py).
+its GELU-tanh gate, gpt-oss's O bias and attention sinks; with LoRA adapters resident, the
+update of each adapter row after every projection (`use_lora`, model/native/lora.py). A
+layer whose MLP is a mixture of experts stops after attention's residual add: its caller
+runs the experts (model/network/moe.py).
 
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
 casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from model.native.build import load_library
+from model.native.lora import NativeLoraStep
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -73,6 +75,9 @@ class _DecoderLayer(ctypes.Structure):
         ("eps", ctypes.c_float),
         ("o_bias", _PTR),
         ("sinks", _PTR),
+        ("lora_a", _PTR * 4),
+        ("lora_bt", _PTR * 4),
+        ("lora", _PTR),
     ]
 
 
@@ -132,6 +137,21 @@ class NativeDecoderLayer:
         )
         self._tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         self._pointer = ctypes.addressof(self._struct)
+        self.lora = False  # whether `use_lora` gave this layer the adapters' stacks
+
+    def use_lora(self, a: list[torch.Tensor], bt: list[torch.Tensor], step: NativeLoraStep) -> None:
+        """Adds the update of each adapter row after every projection: `a` and `bt` the
+        resident slots' A and B^T stacks of Q/K/V, O, gate/up and down
+        (model/lora/slots.py, fp32 contiguous), `step` the rows every layer reads."""
+        assert all(t.dtype == torch.float32 and t.is_contiguous() for t in a + bt)
+        # Referenced while the struct points into them; an earlier table's are let go.
+        self._lora_tensors = [*a, *bt]
+        self._step = step
+        for i, (a_stack, bt_stack) in enumerate(zip(a, bt, strict=True)):
+            self._struct.lora_a[i] = a_stack.data_ptr()
+            self._struct.lora_bt[i] = bt_stack.data_ptr()
+        self._struct.lora = step.pointer
+        self.lora = True
 
     def attention_input(
         self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor

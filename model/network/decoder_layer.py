@@ -144,7 +144,8 @@ class DecoderLayer(nn.Module):
         scale = c.query_scale or c.head_dim**-0.5
         if (
             self.native is not None
-            and batch.lora_slots is None  # LoRA updates hook the PyTorch projections
+            # LoRA updates hook the PyTorch projections, unless the C layer has them too
+            and (batch.lora_slots is None or self.native.lora)
             and h.dtype == torch.bfloat16
             and h.is_contiguous()
             and rope[0].dtype == torch.float32  # the C layer reads fp32 angles

@@ -1,0 +1,123 @@
+/* The low-rank update of LoRA adapters after a projection's base product in the C decoder
+ * layer (decoder_layer.c), for a step whose rows use different adapters: rows are grouped
+ * by slot, as punica and S-LoRA group them, so that each resident adapter's A and B are
+ * read once per step however many of its rows the step holds.
+ *
+ * Two passes, shared among the OpenMP team when the adapters are large enough to pay for
+ * waking it: the shrink u = x A^T (one item per slot and row of A) and the expand
+ * y += u B^T (one item per slot and block of output columns, within one target). Each
+ * value is summed in one fixed order whatever the other rows are (the shrink in 16 lanes
+ * by position in the row, the expand over the rank in order), so a row's update never
+ * depends on its neighbours, and a row without an adapter is never written.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+#include "lora_step.h"
+
+#define LANES 16
+/* Output columns per item of the expand: long runs along each row of B^T, for the
+ * prefetchers, and one accumulator row that stays in L1. */
+#define COLUMNS 256
+/* Below this many fp32 weights an update is cheaper on one thread than waking the team. */
+#define PARALLEL_WEIGHTS 16384
+
+/* x (bf16) . a (fp32) over k, in LANES partial sums: the same order for every row. */
+static float dot(const uint16_t *x, const float *a, int64_t k) {
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= k; i += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] += from_bf16(x[i + l]) * a[i + l];
+    for (int l = 0; i + l < k; l++) acc[l] += from_bf16(x[i + l]) * a[i + l];
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += acc[l];
+    return sum;
+}
+
+/* The rows of each used slot, slot by slot: order[first[g] .. first[g + 1]) are group g's
+ * rows, slot[g] its slot. Returns the number of groups. */
+static int64_t group_rows(const lora_step *step, int64_t rows, int64_t *order, int64_t *first,
+                          int64_t *slot) {
+    int64_t groups = 0, n = 0;
+    for (int64_t s = 0; s < step->n_slots; s++) {
+        const int64_t start = n;
+        for (int64_t r = 0; r < rows; r++)
+            if (step->row_slots[r] == s) order[n++] = r;
+        if (n > start && step->ranks[s] > 0) {
+            first[groups] = start;
+            slot[groups++] = s;
+        } else {
+            n = start;
+        }
+    }
+    first[groups] = n;
+    return groups;
+}
+
+int lora_update(const lora_step *step, const float *a, const float *bt, int64_t n_targets,
+                const int64_t *sizes, const uint16_t *x, int64_t x_stride, uint16_t *y,
+                int64_t rows, int64_t n_out, int64_t k) {
+    if (step == NULL || step->row_slots == NULL || a == NULL || bt == NULL || rows <= 0) return 0;
+    const int64_t rank_max = step->max_rank, width = n_targets * rank_max;
+    int64_t blocks = 0;
+    for (int64_t t = 0; t < n_targets; t++) blocks += (sizes[t] + COLUMNS - 1) / COLUMNS;
+    int64_t *order = malloc(sizeof(int64_t) * rows);
+    int64_t *first = malloc(sizeof(int64_t) * (step->n_slots + 1));
+    int64_t *slot = malloc(sizeof(int64_t) * (step->n_slots + 1));
+    int64_t *block_target = malloc(sizeof(int64_t) * (blocks + 1));
+    int64_t *block_start = malloc(sizeof(int64_t) * (blocks + 1));
+    float *u = malloc(sizeof(float) * rows * (width > 0 ? width : 1));
+    int status = 2;
+    if (!order || !first || !slot || !block_target || !block_start || !u) goto done;
+    status = 0;
+    const int64_t groups = group_rows(step, rows, order, first, slot);
+    if (groups == 0) goto done;
+    for (int64_t t = 0, b = 0, offset = 0; t < n_targets; offset += sizes[t++])
+        for (int64_t c = 0; c < sizes[t]; c += COLUMNS, b++) {
+            block_target[b] = t;
+            block_start[b] = offset + c;
+        }
+    int64_t weights = 0;
+    for (int64_t g = 0; g < groups; g++) weights += step->ranks[slot[g]] * (n_targets * k + n_out);
+#pragma omp parallel if (weights >= PARALLEL_WEIGHTS)
+    {
+        /* The shrink: u[p, j] = x[order[p]] . A[slot, j], A's row j read once for its group. */
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < groups * width; item++) {
+            const int64_t g = item / width, j = item % width, s = slot[g];
+            if (j % rank_max >= step->ranks[s]) continue; /* zero padding: never read */
+            const float *a_row = a + (s * width + j) * k;
+            for (int64_t p = first[g]; p < first[g + 1]; p++)
+                u[p * width + j] = dot(x + order[p] * x_stride, a_row, k);
+        }
+        /* The expand: y[order[p], c] += sum_j u[p, t R + j] B^T[slot, j, c], c in target t. */
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < groups * blocks; item++) {
+            const int64_t g = item / blocks, b = item % blocks, s = slot[g];
+            const int64_t t = block_target[b], c0 = block_start[b];
+            int64_t end = 0;
+            for (int64_t i = 0; i <= t; i++) end += sizes[i];
+            const int64_t n = end - c0 < COLUMNS ? end - c0 : COLUMNS, rank = step->ranks[s];
+            for (int64_t p = first[g]; p < first[g + 1]; p++) {
+                float acc[COLUMNS] = {0};
+                const float *up = u + p * width + t * rank_max;
+                for (int64_t j = 0; j < rank; j++) {
+                    const float *b_row = bt + (s * rank_max + j) * n_out + c0;
+                    for (int64_t c = 0; c < n; c++) acc[c] += up[j] * b_row[c];
+                }
+                uint16_t *out = y + order[p] * n_out + c0;
+                for (int64_t c = 0; c < n; c++)
+                    out[c] = to_bf16(from_bf16(out[c]) + from_bf16(to_bf16(acc[c])));
+            }
+        }
+    }
+done:
+    free(order);
+    free(first);
+    free(slot);
+    free(block_target);
+    free(block_start);
+    free(u);
+    return status;
+}
