@@ -71,6 +71,13 @@ def test_the_quantise_then_dot_product_row_by_row(isa: str, operands) -> None:
     xb = x.bfloat16()
     assert torch.equal(kernel(xb, raw, OUT), kernel(xb.float(), raw, OUT).bfloat16())
     assert torch.equal(kernel(torch.zeros(2, IN), raw, OUT), torch.zeros(2, OUT))
+    # An odd number of blocks: AVX-512 takes them two at a time, the last alone.
+    odd = raw.reshape(OUT, -1, 17)[:, :9].reshape(OUT, -1).contiguous()
+    xo = x[:, : 9 * 32]
+    w_odd = torch.from_numpy(gguf_dequantize(odd.numpy(), T.MXFP4).reshape(OUT, 9 * 32)).double()
+    xq = quantised_activations(xo)
+    rounding = (xq.abs() @ w_odd.abs().T) * (9 * 2.0**-22) + 1e-30
+    assert ((kernel(xo, odd, OUT).double() - xq @ w_odd.T).abs() <= rounding).all()
 
 
 def test_the_layer_runs_on_it_and_the_c_layer_takes_its_kind(operands) -> None:

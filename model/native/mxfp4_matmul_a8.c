@@ -58,44 +58,92 @@ static inline __m256i block_weights(const uint8_t *block, __m128i table) {
     return _mm256_set_m128i(high, low);
 }
 
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-/* Eight int32 partial sums of |w| * (xq with w's sign). */
-static inline __m256i block_dot(__m256i magnitude, __m256i signed_x) {
-    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), magnitude, signed_x);
-}
-#define MXFP4_A8_KERNEL "avx512_vnni"
-#else
 static inline __m256i block_dot(__m256i magnitude, __m256i signed_x) {
     return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), _mm256_set1_epi16(1));
 }
-#define MXFP4_A8_KERNEL "avx2"
-#endif
 
+/* One block of each row into its eight fp32 lanes (the AVX2 loop, and AVX-512's last
+ * block when a row has an odd number). */
+static inline __attribute__((always_inline)) void single_block(
+    const int8_t *xq, const float *d, int64_t k, const uint8_t *block, int64_t b,
+    int64_t blocks, __m256 *total, const int rows) {
+    const __m128i table = _mm_loadu_si128((const __m128i *)MX_DOUBLED);
+    const float scale = half_scale(block[0]);
+    const __m256i wq = block_weights(block, table);
+    const __m256i magnitude = _mm256_abs_epi8(wq);
+    for (int m = 0; m < rows; m++) {
+        const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * k + b * MX_BLOCK));
+        const __m256i dot = block_dot(magnitude, _mm256_sign_epi8(x, wq));
+        const __m256 s = _mm256_set1_ps(d[m * blocks + b] * scale);
+        total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, total[m]);
+    }
+}
+
+static inline float sum_lanes(__m256 v) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, v);
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
+           ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* Two blocks a step: their 64 weights' magnitudes in K order in one register (nibbles
+ * looked up by one vpshufb), their signs a mask that negates xq's bytes, one vpdpbusd;
+ * lanes 0-7 sum the first block, 8-15 the second, each scaled by its own d 2^(e - 128). */
 static inline __attribute__((always_inline)) void column_rows(
     const int8_t *xq, const float *d, int64_t k, const uint8_t *w, int64_t blocks, float *y,
     int64_t y_stride, const int rows) {
-    const __m128i table = _mm_loadu_si128((const __m128i *)MX_DOUBLED);
-    __m256 total[MX_ROWS];
-    for (int m = 0; m < rows; m++) total[m] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *block = w + b * MX_BYTES;
-        const float scale = half_scale(block[0]);
-        const __m256i wq = block_weights(block, table);
-        const __m256i magnitude = _mm256_abs_epi8(wq);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)MX_DOUBLED));
+    const __m512i nibble = _mm512_set1_epi8(0x0F), sign_bit = _mm512_set1_epi8(0x08);
+    /* qwords of [low nibbles 0 | 1] and [high 0 | 1] to [low 0, high 0, low 1, high 1]. */
+    const __m512i k_order = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+    __m512 total[MX_ROWS];
+    __m256 tail[MX_ROWS];
+    for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps(), tail[m] = _mm256_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < blocks; b += 2) {
+        const uint8_t *first = w + b * MX_BYTES, *second = first + MX_BYTES;
+        const __m256i bytes =
+            _mm256_set_m128i(_mm_loadu_si128((const __m128i *)(second + 1)),
+                             _mm_loadu_si128((const __m128i *)(first + 1)));
+        const __m512i wide = _mm512_castsi256_si512(bytes);
+        const __m512i nibbles = _mm512_and_si512(
+            _mm512_permutex2var_epi64(wide, k_order, _mm512_srli_epi16(wide, 4)), nibble);
+        const __m512i magnitude = _mm512_shuffle_epi8(table, _mm512_and_si512(nibbles,
+                                                      _mm512_set1_epi8(0x07)));
+        const __mmask64 negative = _mm512_test_epi8_mask(nibbles, sign_bit);
+        const __m128 scales = _mm_set_ps(0.0f, 0.0f, half_scale(second[0]), half_scale(first[0]));
         for (int m = 0; m < rows; m++) {
-            const __m256i x = _mm256_loadu_si256((const __m256i *)(xq + m * k + b * MX_BLOCK));
-            const __m256i dot = block_dot(magnitude, _mm256_sign_epi8(x, wq));
-            const __m256 s = _mm256_set1_ps(d[m * blocks + b] * scale);
-            total[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, total[m]);
+            const __m512i x = _mm512_loadu_si512(xq + m * k + b * MX_BLOCK);
+            const __m512i signed_x = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_x);
+            const __m128 dm = _mm_castpd_ps(_mm_load_sd((const double *)(d + m * blocks + b)));
+            const __m512 s = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_mul_ps(dm, scales)));
+            total[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, total[m]);
         }
     }
+    if (b < blocks) single_block(xq, d, k, w + b * MX_BYTES, b, blocks, tail, rows);
     for (int m = 0; m < rows; m++) {
-        float lanes[8];
-        _mm256_storeu_ps(lanes, total[m]);
-        y[m * y_stride] = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) +
-                          ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+        const __m256 folded = _mm256_add_ps(_mm512_castps512_ps256(total[m]),
+                                            _mm512_extractf32x8_ps(total[m], 1));
+        y[m * y_stride] = sum_lanes(_mm256_add_ps(folded, tail[m]));
     }
 }
+#define MXFP4_A8_KERNEL "avx512_vnni"
+
+#else
+static inline __attribute__((always_inline)) void column_rows(
+    const int8_t *xq, const float *d, int64_t k, const uint8_t *w, int64_t blocks, float *y,
+    int64_t y_stride, const int rows) {
+    __m256 total[MX_ROWS];
+    for (int m = 0; m < rows; m++) total[m] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++)
+        single_block(xq, d, k, w + b * MX_BYTES, b, blocks, total, rows);
+    for (int m = 0; m < rows; m++) y[m * y_stride] = sum_lanes(total[m]);
+}
+#define MXFP4_A8_KERNEL "avx2"
+#endif
 
 #else
 
