@@ -43,7 +43,7 @@ def operands() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     raw = random_blocks(OUT, IN, seed=7)
     g = torch.Generator().manual_seed(8)
     # Values over many octaves, so that blocks' scales differ and fp32 sums round.
-    x = torch.randn(9, IN, generator=g) * torch.exp2(torch.randint(-8, 8, (9, IN), generator=g))
+    x = torch.randn(33, IN, generator=g) * torch.exp2(torch.randint(-8, 8, (33, IN), generator=g))
     return raw, gguf_weight(raw), x
 
 
@@ -52,7 +52,7 @@ def test_the_quantise_then_dot_product_row_by_row(isa: str, operands) -> None:
     kernel = NativeMxfp4Matmul(library_at(isa), int8_activations=True)
     raw, w, x = operands
     got = kernel(x, raw, OUT)
-    assert got.dtype == torch.float32 and got.shape == (9, OUT)
+    assert got.dtype == torch.float32 and got.shape == (33, OUT)
     xq = quantised_activations(x)
     # Exact int32 block sums, each times an exact scale: fp32 rounding of the block terms'
     # sum only.
@@ -62,8 +62,10 @@ def test_the_quantise_then_dot_product_row_by_row(isa: str, operands) -> None:
     exact = x.double() @ w.T
     error = (got.double() - exact).norm() / exact.norm()
     assert 1e-5 < error < 1.5e-2
-    alone = [kernel(x[row : row + 1].clone(), raw, OUT)[0] for row in range(9)]
-    for rows in (2, 3, 5, 9):  # row blocks of 1 to 4 rows
+    alone = [kernel(x[row : row + 1].clone(), raw, OUT)[0] for row in range(33)]
+    # Row blocks of 1 to 4 rows; from 21 rows the columns are shared among threads, and 33
+    # rows are two row tiles.
+    for rows in (2, 3, 5, 9, 33):
         batch = kernel(x[:rows].clone(), raw, OUT)
         for row in range(rows):
             assert torch.equal(alone[row], batch[row]), (rows, row)
