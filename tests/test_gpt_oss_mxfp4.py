@@ -18,6 +18,7 @@ from transformers import GptOssForCausalLM, Mxfp4Config
 from model.checkpoint.mxfp4 import hf_to_gguf_blocks
 from model.greedy import greedy_tokens
 from model.loader import load_model
+from model.native.mxfp4 import NativeMxfp4Matmul
 from model.quant.mxfp4 import Mxfp4Linear
 from scheduler.config import EngineConfig
 from scheduler.engine.factory import create_engine
@@ -108,3 +109,28 @@ def test_mxfp4_experts_run_in_the_c_layers_experts_call(mxfp4_gpt_oss) -> None:
     for layer in layers:
         layer.moe.native = None
     assert torch.equal(with_c, model_logits(loaded.model, ids))
+
+
+def test_w4a8_rounds_the_mxfp4_experts_activations_to_int8(mxfp4_gpt_oss) -> None:
+    """In w4a8 the MXFP4 experts take int8 activations, as llama.cpp's do, in the C layer's
+    experts call as in the PyTorch layers: the same logits, near the reference's."""
+    _, _, gguf = mxfp4_gpt_oss
+    loaded = load_model(
+        gguf, dtype="bfloat16", quantization="w4a8", progress=False, attention_backend="cpu_paged"
+    )
+    layers, ids = loaded.model.layers, prompts()[-1]
+    assert all(layer.moe.native is not None for layer in layers)
+    assert layers[1].moe.experts[3].down_proj.kernel == "native_a8"
+    with_c = model_logits(loaded.model, ids)
+    for layer in layers:
+        layer.moe.native = None
+    assert torch.equal(with_c, model_logits(loaded.model, ids))
+    # The experts on fp32 activations move the logits by about what rounding them to 8 bits
+    # does.
+    for layer in layers:
+        for expert in layer.moe.experts:
+            for proj in (expert.gate_up_proj, expert.down_proj):
+                proj._native = NativeMxfp4Matmul()
+    fp32_experts = model_logits(loaded.model, ids)
+    moved = (with_c.float() - fp32_experts.float()).norm() / fp32_experts.float().norm()
+    assert 0 < moved < 0.05

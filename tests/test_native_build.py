@@ -54,6 +54,12 @@ def test_each_level_takes_its_own_mxfp4_loop() -> None:
     assert kinds.get("avx512", "avx512") == "avx512"  # AVX-512F's 16-entry vpermps
     assert kinds.get("avx2", "avx2") == "avx2"
     assert kinds.get("portable", "portable") == "portable"
+    # With int8 activations: vpdpbusd where the level has AVX-512 VNNI (x86-64-v4 has not).
+    a8 = {isa: NativeMxfp4Matmul(library_at(isa), int8_activations=True).kind for isa in ISAS}
+    vnni = "avx512_vnni" if "avx512_vnni" in build.cpu_flags() else a8.get("native")
+    assert a8.get("native") == vnni
+    assert a8.get("avx512", "avx2") == a8.get("avx2", "avx2") == "avx2"
+    assert a8.get("portable", "portable") == "portable"
 
 
 def test_an_unknown_level_is_refused_and_the_reference_serves(monkeypatch, caplog) -> None:
@@ -92,6 +98,7 @@ def test_each_build_holds_only_its_levels_instructions(level: str) -> None:
         check=True,
     ).stdout
     assert "paged_decode_bf16" in code and "mxfp4_matmul_f32" in code and "lora_update" in code
+    assert "mxfp4_matmul_a8_f32" in code
     for register in FORBIDDEN[level]:
         assert f"%{register}" not in code, register
     if level == "avx2":

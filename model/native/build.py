@@ -1,7 +1,8 @@
 """Builds the C kernels beside this file (paged attention, RMSNorm, int4 matmuls with bf16
-or int8 activations, the 5-, 6- and 8-bit and MXFP4 matmuls and the 6-bit grid finder, the decoder
-layer around attention with its LoRA update, a mixture of experts' experts, greedy argmax)
-into one shared library for this machine, once, and loads it with ctypes.
+or int8 activations, the 5-, 6- and 8-bit matmuls, MXFP4 ones with fp32 or int8
+activations and the 6-bit grid finder, the decoder layer around attention with its LoRA
+update, a mixture of experts' experts, greedy argmax) into one shared library for this
+machine, once, and loads it with ctypes.
 
 C rather than a PyTorch extension: plain C with no PyTorch headers compiles in about a
 second with the system's compiler, so the library is simply built where it runs, with
@@ -48,6 +49,7 @@ SOURCES = (
     "lora_update.c",
     "moe_experts.c",
     "mxfp4_matmul.c",
+    "mxfp4_matmul_a8.c",
     "argmax.c",
 )
 HEADERS = (

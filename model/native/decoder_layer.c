@@ -50,6 +50,8 @@ int int6_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 int mxfp4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, uint16_t *y,
                       int64_t rows, int64_t n_out, int64_t k);
+int mxfp4_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, uint16_t *y,
+                         int64_t rows, int64_t n_out, int64_t k);
 
 /* y [rows, n_out] bf16. Grouped int8 sums in fp32, rounded to bf16 as the PyTorch layer
  * rounds Int8GroupLinear's output to the activations' dtype. */
@@ -66,6 +68,8 @@ static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, ui
     if (w->kind == INT6)
         return int6_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == MXFP4) return mxfp4_matmul_bf16(x, x_stride, w->weight, y, rows, n_out, k);
+    if (w->kind == MXFP4_A8)
+        return mxfp4_matmul_a8_bf16(x, x_stride, w->weight, y, rows, n_out, k);
     float *out = malloc(sizeof(float) * (rows > 0 ? rows : 1) * n_out);
     if (out == NULL) return 2;
     int status = int8_matmul_bf16(x, x_stride, w->weight, w->scales, out, rows, n_out, k);

@@ -1,5 +1,6 @@
-"""The C MXFP4 matmul's entry points (mxfp4_matmul.c): fp32 or bf16 rows times a weight held
-in GGUF's MXFP4 blocks, as the file stores them."""
+"""The C MXFP4 matmul's entry points: fp32 or bf16 rows times a weight held in GGUF's MXFP4
+blocks, as the file stores them; the rows kept in fp32 (mxfp4_matmul.c) or rounded to int8
+per block of 32 (mxfp4_matmul_a8.c)."""
 
 from __future__ import annotations
 
@@ -14,23 +15,22 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
 class NativeMxfp4Matmul:
     """x [rows, in] fp32 or bf16 (each row contiguous) times an MXFP4 weight [out, in / 32 *
-    17] uint8; the output in x's dtype. Raises NativeUnavailable where the library cannot
-    be built."""
+    17] uint8; the output in x's dtype. `int8_activations`: x rounded to int8 per block of
+    32 first. Raises NativeUnavailable where the library cannot be built."""
 
-    def __init__(self, library: ctypes.CDLL | None = None) -> None:
+    def __init__(self, library: ctypes.CDLL | None = None, int8_activations: bool = False) -> None:
         library = library or load_library()
         self.kernels: dict[torch.dtype, ctypes._CFuncPtr] = {}
-        for dtype, symbol in (
-            (torch.float32, "mxfp4_matmul_f32"),
-            (torch.bfloat16, "mxfp4_matmul_bf16"),
-        ):
-            kernel = getattr(library, symbol)
+        prefix = "mxfp4_matmul_a8" if int8_activations else "mxfp4_matmul"
+        for dtype, suffix in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            kernel = getattr(library, f"{prefix}_{suffix}")
             kernel.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64]
             kernel.restype = ctypes.c_int
             self.kernels[dtype] = kernel
-        kind = library.mxfp4_matmul_kind
+        kind = getattr(library, f"{prefix}_kind")
         kind.restype = ctypes.c_char_p
-        # Which loop the build compiled: "avx512", "avx2" or "portable".
+        # Which loop the build compiled: "avx512" (fp32) or "avx512_vnni" (int8), "avx2" or
+        # "portable".
         self.kind: str = kind().decode()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from model.native.layer import (
     INT6,
     INT8_GROUPS,
     MXFP4,
+    MXFP4_A8,
     NativeDecoderLayer,
     NativeWeight,
 )
@@ -223,5 +224,6 @@ def _native_weight(proj: nn.Module) -> NativeWeight | None:
     if isinstance(proj, Int6Linear) and not proj.logits:
         return proj.weight_int6, proj.scales, INT6
     if isinstance(proj, Mxfp4Linear) and proj.on_c_kernel:
-        return proj.weight_mxfp4, proj.weight_mxfp4, MXFP4  # the scales lie in the blocks
+        kind = MXFP4_A8 if proj.kernel == "native_a8" else MXFP4
+        return proj.weight_mxfp4, proj.weight_mxfp4, kind  # the scales lie in the blocks
     return None

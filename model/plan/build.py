@@ -103,10 +103,18 @@ def int4_kernels(
         if (quantization, *shape) not in kernels:
             kernel = int4_format_kernel(mode, quantization, *shape, device)
             if quantization == "mxfp4":  # the C kernel wherever it may run, untimed
-                kernel = "native" if allows_native(mode) else "torch"
+                kernel = mxfp4_kernel(mode, fmt)
             if kernel is not None:
                 kernels[(quantization, *shape)] = kernel
     return kernels
+
+
+def mxfp4_kernel(mode: str, fmt: WeightFormat) -> str:
+    """An MXFP4 layer's kernel: the C one where it may run, with the int8 activations the
+    model's format asks for as w4a8 does (llama.cpp's MXFP4 product rounds them so too)."""
+    if not allows_native(mode):
+        return "torch"
+    return "native_a8" if fmt.quantization == "w4a8" else "native"
 
 
 def weight_format_for(

@@ -22,12 +22,14 @@ from model.native.build import NativeUnavailable
 from model.native.mxfp4 import NativeMxfp4Matmul
 from model.quant.base import QuantizedLinear
 
-MXFP4_KERNELS = ("native", "torch")
+MXFP4_KERNELS = ("native", "native_a8", "torch")
+NATIVE_MXFP4_KERNELS = ("native", "native_a8")
 
 
 class Mxfp4Linear(QuantizedLinear):
-    """kernel: "native" (the C kernel on the CPU, where the library builds) or "torch" (the
-    dequantised weight, the reference); on CUDA, Triton's."""
+    """kernel: "native" (the C kernel on the CPU, where the library builds), "native_a8"
+    (the same weight bytes, activations rounded to int8 per block of 32 as llama.cpp's
+    Q8_0) or "torch" (the dequantised weight, the reference); on CUDA, Triton's."""
 
     staging_dtype = torch.uint8
     block_types = frozenset({T.MXFP4})
@@ -65,9 +67,9 @@ class Mxfp4Linear(QuantizedLinear):
     def _pack(self) -> None:
         self.weight_mxfp4 = self._staging
         self._native = None
-        if self.kernel == "native" and self.device.type == "cpu":
+        if self.kernel in NATIVE_MXFP4_KERNELS and self.device.type == "cpu":
             try:
-                self._native = NativeMxfp4Matmul()
+                self._native = NativeMxfp4Matmul(int8_activations=self.kernel == "native_a8")
             except NativeUnavailable:
                 self.kernel = "torch"
 
