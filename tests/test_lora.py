@@ -154,9 +154,11 @@ def test_a_gguf_lora_for_another_family_is_refused(case, tmp_path):
 def test_a_quantised_base_on_the_c_decoder_layer_adds_the_update_there(tmp_path):
     """w4a8 in bfloat16 runs every layer on the C decoder layer, which adds the adapter
     rows' update itself (model/native/lora_update.c): its logits match the PyTorch layers
-    with the hooks (the reference), base rows beside adapter rows keep the C layer's bits
+    with the hooks (the reference) on the same A and B (the C layer's are bf16, so the
+    reference's fp32 stacks are rounded to bf16 for that comparison: it checks the C
+    update, not bf16's rounding), base rows beside adapter rows keep the C layer's bits
     alone, an adapter row's do not depend on its neighbours, and the adapter's effect
-    follows PEFT's (float32) one."""
+    follows PEFT's (float32, unrounded) one."""
     hf = make_tiny_llama(tmp_path / "base")
     write_tiny_tokenizer(tmp_path / "base")
     peft_model = make_adapter(hf, tmp_path / "adapter", 8)
@@ -169,15 +171,20 @@ def test_a_quantised_base_on_the_c_decoder_layer_adds_the_update_there(tmp_path)
     assert all(layer.native.lora for layer in layers)
     adapter = read_adapter("a", tmp_path / "adapter", ours.config)
     slots.load(1, adapter)
-    # B^T written as an adapter loads is B^T taken from the stacks after it loaded.
+    # The C layer's bf16 A and B^T written as an adapter loads are those taken from the
+    # stacks after it loaded.
     later = LoraSlots(ours.config, max_loras=2, max_rank=16, device="cpu")
     later.load(1, adapter)
     later.use_transposed()
     assert all(torch.equal(later.bt[key], bt) for key, bt in slots.bt.items())
+    assert all(torch.equal(later.a16[key], a) for key, a in slots.a16.items())
+    assert all(a.dtype == torch.bfloat16 for a in (*slots.a16.values(), *slots.bt.values()))
     base_alone = mixed_logits(ours, [-1, -1, -1])
     got = mixed_logits(ours, [1, -1, 1])
     assert torch.equal(got[1], base_alone[1])
     assert torch.equal(mixed_logits(ours, [1, 1, -1])[0], got[0])
+    for stack in (*slots.a.values(), *slots.b.values()):
+        stack.copy_(stack.to(torch.bfloat16))  # the values the C layer holds
     for layer in layers:
         layer.native.lora = False  # the PyTorch layers, through the hooks
     reference = mixed_logits(ours, [1, -1, 1])

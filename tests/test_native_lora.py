@@ -1,7 +1,8 @@
 """The C decoder layer's LoRA update (model/native/lora_update.c) at every instruction level,
 against PyTorch's grouped products over the padded, block-diagonal stacks (what
-model/lora/slots.py's `apply` computes): adapter rows within bf16's rounding of it, base rows
-untouched, each adapter row the same bits alone as beside others."""
+model/lora/slots.py's `apply` computes) on the same bf16-rounded A and B the C layer holds:
+adapter rows within bf16's rounding of it, base rows untouched, each adapter row the same bits
+alone as beside others."""
 
 import ctypes
 
@@ -24,12 +25,14 @@ def stacks():
     slots, width, n_out = len(RANKS), len(SIZES) * MAX_RANK, sum(SIZES)
     a = torch.zeros(slots, width, K)
     b = torch.zeros(slots, n_out, width)  # block-diagonal, as slots.py stacks it
-    bt = torch.zeros(slots, MAX_RANK, n_out)
+    bt = torch.zeros(slots, MAX_RANK, n_out, dtype=torch.bfloat16)
     for s, rank in enumerate(RANKS):
         start = 0
         for t, size in enumerate(SIZES):
-            a[s, t * MAX_RANK : t * MAX_RANK + rank] = torch.randn(rank, K, generator=g) / 8
-            block = torch.randn(size, rank, generator=g) / 4
+            # bf16 values held in fp32: the reference's products are on what the C layer reads.
+            a_rows = (torch.randn(rank, K, generator=g) / 8).to(torch.bfloat16).float()
+            a[s, t * MAX_RANK : t * MAX_RANK + rank] = a_rows
+            block = (torch.randn(size, rank, generator=g) / 4).to(torch.bfloat16).float()
             b[s, start : start + size, t * MAX_RANK : t * MAX_RANK + rank] = block
             bt[s, :rank, start : start + size] = block.T
             start += size
@@ -46,8 +49,9 @@ def c_update(isa: str, stacks, rows: list[int]) -> torch.Tensor:
     step.begin(torch.tensor([ROW_SLOTS[r] for r in rows]))
     sizes = torch.tensor(SIZES)
     xs, out = x[rows].contiguous(), y[rows].contiguous()
+    a16 = a.to(torch.bfloat16)  # exact: every value of `a` is a bf16
     status = function(
-        step.pointer, a.data_ptr(), bt.data_ptr(), len(SIZES), sizes.data_ptr(),
+        step.pointer, a16.data_ptr(), bt.data_ptr(), len(SIZES), sizes.data_ptr(),
         xs.data_ptr(), K, out.data_ptr(), len(rows), out.shape[1], K,
     )  # fmt: skip
     assert status == 0

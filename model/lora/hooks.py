@@ -4,9 +4,9 @@ output, and a pre-hook on the model reads the step's adapter rows from the `Batc
 
 Hooks rather than wrapped modules, so the projections stay what the kernel plan, the
 quantised formats and the C decoder layer know. The C decoder layer (CPU) bypasses the
-hooks: it is given the same stacks and each step's rows (model/native/lora.py) and adds
-the update itself; a layer without it runs through PyTorch in a step with any adapter
-row (model/network/decoder_layer.py checks `Batch.lora_slots`).
+hooks: it is given bf16 copies of the same stacks and each step's rows
+(model/native/lora.py) and adds the update itself; a layer without it runs through
+PyTorch in a step with any adapter row (model/network/decoder_layer.py checks `Batch.lora_slots`).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def _use_native(model: nn.Module, slots: LoraSlots) -> NativeLoraStep | None:
     slots.use_transposed()
     step = NativeLoraStep(slots.ranks, slots.max_rank)
     for index, layer in layers:
-        a = [slots.a[index, fused] for fused in FUSED]
+        a = [slots.a16[index, fused] for fused in FUSED]
         bt = [slots.bt[index, fused] for fused in FUSED]
         layer.native.use_lora(a, bt, step)
     return step

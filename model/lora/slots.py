@@ -46,8 +46,9 @@ class LoraSlots:
         # fp32 keeps it within PEFT's own rounding.
         self.a: dict[tuple[int, str], torch.Tensor] = {}
         self.b: dict[tuple[int, str], torch.Tensor] = {}
-        # B transposed without the block-diagonal zeros, for the C decoder layer
-        # (`use_transposed`); empty where no layer runs there.
+        # For the C decoder layer (`use_transposed`), bf16: A, and B transposed without the
+        # block-diagonal zeros; empty where no layer runs there.
+        self.a16: dict[tuple[int, str], torch.Tensor] = {}
         self.bt: dict[tuple[int, str], torch.Tensor] = {}
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # each slot's largest rank
         for layer in range(config.n_layers):
@@ -67,21 +68,27 @@ class LoraSlots:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (*self.a.values(), *self.b.values(), *self.bt.values()))
+        return sum(t.nbytes for t in self._stacks())
+
+    def _stacks(self) -> tuple[torch.Tensor, ...]:
+        return (*self.a.values(), *self.b.values(), *self.a16.values(), *self.bt.values())
 
     def use_transposed(self) -> None:
-        """Keeps each B also as [slots, rank, out] on the CPU, each output column under its
-        own target's rank, as the C decoder layer's update (model/native/lora_update.c)
-        reads it: row by row, without the block-diagonal zeros."""
+        """Keeps each A and B also in bf16 on the CPU as the C decoder layer's update
+        (model/native/lora_update.c) reads them, B as [slots, rank, out], each output
+        column under its own target's rank: row by row, without the block-diagonal zeros.
+        bf16 since that layer's step is bound by the bytes it reads (its activations are
+        bf16 too); the PyTorch hooks keep reading the fp32 stacks."""
         r = self.max_rank
         for key, b in self.b.items():
             if key in self.bt:
                 continue
-            bt = torch.zeros(self.max_loras, r, b.shape[1])
+            bt = torch.zeros(self.max_loras, r, b.shape[1], dtype=torch.bfloat16)
             for index, (start, end) in enumerate(self._out_offsets[key[1]]):
                 block = b[:, start:end, index * r : (index + 1) * r]
                 bt[:, :, start:end] = block.transpose(1, 2).cpu()
             self.bt[key] = bt
+            self.a16[key] = self.a[key].to(device="cpu", dtype=torch.bfloat16)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Writes `adapter` into `slot`, replacing whatever was there."""
@@ -99,11 +106,12 @@ class LoraSlots:
                 a_stack[slot, index * r : index * r + rank] = a.to(a_stack.device)
                 b_stack[slot, start:end, index * r : index * r + rank] = b.to(b_stack.device)
                 if self.bt:
+                    self.a16[layer, fused][slot, index * r : index * r + rank] = a
                     self.bt[layer, fused][slot, :rank, start:end] = b.T
         self.ranks[slot] = adapter.max_rank
 
     def clear(self, slot: int) -> None:
-        for stack in (*self.a.values(), *self.b.values(), *self.bt.values()):
+        for stack in self._stacks():
             stack[slot].zero_()
         self.ranks[slot] = 0
 

@@ -97,9 +97,9 @@ typedef struct {
     const uint16_t *o_bias; /* gpt-oss */
     const float *sinks;     /* gpt-oss: [n_heads] fp32 logits in each softmax's denominator */
     /* LoRA adapters (model/lora/slots.py), per fused projection (qkv, o, gate_up, down): the
-     * slots' A [slots, targets * max_rank, in] and B^T [slots, max_rank, out], fp32; NULL
+     * slots' A [slots, targets * max_rank, in] and B^T [slots, max_rank, out], bf16; NULL
      * without adapters. `lora`: the step's rows and slots, shared by every layer. */
-    const float *lora_a[4], *lora_bt[4];
+    const uint16_t *lora_a[4], *lora_bt[4];
     const lora_step *lora;
 } decoder_layer;
 

@@ -16,10 +16,11 @@ typedef struct {
 
 /* y [rows, n_out] bf16 (contiguous), the base product of x [rows, k] (row stride
  * x_stride): each row of a slot >= 0 becomes bf16(y + bf16(x A^T B^T)) with its slot's A
- * [n_targets * max_rank, k] and B^T [max_rank, n_out] (model/lora/slots.py's stacks, fp32;
- * output columns split among the targets by `sizes`). Rows of slot -1 are not touched.
+ * [n_targets * max_rank, k] and B^T [max_rank, n_out] (model/lora/slots.py's copies, bf16,
+ * widened to fp32 as they are read, all sums in fp32; output columns split among the targets
+ * by `sizes`). Rows of slot -1 are not touched.
  * Returns 0, or 2 when out of memory. */
-int lora_update(const lora_step *step, const float *a, const float *bt, int64_t n_targets,
+int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, int64_t n_targets,
                 const int64_t *sizes, const uint16_t *x, int64_t x_stride, uint16_t *y,
                 int64_t rows, int64_t n_out, int64_t k);
 

@@ -9,6 +9,10 @@
  * value is summed in one fixed order whatever the other rows are (the shrink in 16 lanes
  * by position in the row, the expand over the rank in order), so a row's update never
  * depends on its neighbours, and a row without an adapter is never written.
+ *
+ * A and B^T are bf16 (model/lora/slots.py's copies for this layer): the step is bound by
+ * the bytes it reads, and the update's are half those of fp32. Each weight is widened to
+ * fp32 as it is read (a shift, which vectorises) and every sum stays in fp32.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -20,16 +24,16 @@
 /* Output columns per item of the expand: long runs along each row of B^T, for the
  * prefetchers, and one accumulator row that stays in L1. */
 #define COLUMNS 256
-/* Below this many fp32 weights an update is cheaper on one thread than waking the team. */
+/* Below this many weights an update is cheaper on one thread than waking the team. */
 #define PARALLEL_WEIGHTS 16384
 
-/* x (bf16) . a (fp32) over k, in LANES partial sums: the same order for every row. */
-static float dot(const uint16_t *x, const float *a, int64_t k) {
+/* x . a (both bf16) over k, in LANES fp32 partial sums: the same order for every row. */
+static float dot(const uint16_t *x, const uint16_t *a, int64_t k) {
     float acc[LANES] = {0};
     int64_t i = 0;
     for (; i + LANES <= k; i += LANES)
-        for (int l = 0; l < LANES; l++) acc[l] += from_bf16(x[i + l]) * a[i + l];
-    for (int l = 0; i + l < k; l++) acc[l] += from_bf16(x[i + l]) * a[i + l];
+        for (int l = 0; l < LANES; l++) acc[l] += from_bf16(x[i + l]) * from_bf16(a[i + l]);
+    for (int l = 0; i + l < k; l++) acc[l] += from_bf16(x[i + l]) * from_bf16(a[i + l]);
     float sum = 0.0f;
     for (int l = 0; l < LANES; l++) sum += acc[l];
     return sum;
@@ -55,7 +59,7 @@ static int64_t group_rows(const lora_step *step, int64_t rows, int64_t *order, i
     return groups;
 }
 
-int lora_update(const lora_step *step, const float *a, const float *bt, int64_t n_targets,
+int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, int64_t n_targets,
                 const int64_t *sizes, const uint16_t *x, int64_t x_stride, uint16_t *y,
                 int64_t rows, int64_t n_out, int64_t k) {
     if (step == NULL || step->row_slots == NULL || a == NULL || bt == NULL || rows <= 0) return 0;
@@ -87,7 +91,7 @@ int lora_update(const lora_step *step, const float *a, const float *bt, int64_t 
         for (int64_t item = 0; item < groups * width; item++) {
             const int64_t g = item / width, j = item % width, s = slot[g];
             if (j % rank_max >= step->ranks[s]) continue; /* zero padding: never read */
-            const float *a_row = a + (s * width + j) * k;
+            const uint16_t *a_row = a + (s * width + j) * k;
             for (int64_t p = first[g]; p < first[g + 1]; p++)
                 u[p * width + j] = dot(x + order[p] * x_stride, a_row, k);
         }
@@ -103,8 +107,8 @@ int lora_update(const lora_step *step, const float *a, const float *bt, int64_t 
                 float acc[COLUMNS] = {0};
                 const float *up = u + p * width + t * rank_max;
                 for (int64_t j = 0; j < rank; j++) {
-                    const float *b_row = bt + (s * rank_max + j) * n_out + c0;
-                    for (int64_t c = 0; c < n; c++) acc[c] += up[j] * b_row[c];
+                    const uint16_t *b_row = bt + (s * rank_max + j) * n_out + c0;
+                    for (int64_t c = 0; c < n; c++) acc[c] += up[j] * from_bf16(b_row[c]);
                 }
                 uint16_t *out = y + order[p] * n_out + c0;
                 for (int64_t c = 0; c < n; c++)
