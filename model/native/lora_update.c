@@ -25,7 +25,7 @@
  * prefetchers, and one accumulator row that stays in L1. */
 #define COLUMNS 256
 /* Below this many weights an update is cheaper on one thread than waking the team. */
-#define PARALLEL_WEIGHTS 16384
+#define PARALLEL_WEIGHTS 262144
 
 /* x . a (both bf16) over k, in LANES fp32 partial sums: the same order for every row. */
 static float dot(const uint16_t *x, const uint16_t *a, int64_t k) {
