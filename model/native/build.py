@@ -63,6 +63,7 @@ HEADERS = (
     "int8_rows.h",
     "layer_weight.h",
     "lora_step.h",
+    "mxfp4_block.h",
 )
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every

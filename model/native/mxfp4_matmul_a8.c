@@ -21,21 +21,9 @@
 #include <string.h>
 
 #include "bf16.h"
-
-#define MX_BLOCK 32
-#define MX_BYTES 17
-#define MX_ROWS 4   /* rows sharing a weight block's decoding */
-#define ROW_TILE 32 /* rows that pass every column while they stay in cache */
+#include "mxfp4_block.h"
 
 static const int8_t MX_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
-
-/* 2^(e - 128), exactly, as ggml_e8m0_to_fp32_half. */
-static inline float half_scale(uint8_t e) {
-    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* One block of a row rounded to int8; returns its scale d. */
 static inline float quantise_block(const float v[MX_BLOCK], int8_t *q) {
