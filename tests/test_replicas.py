@@ -102,6 +102,9 @@ def distinct_prompt(i: int) -> str:
     return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(6)) + f" {i}"
 
 
+# `make replicas` puts its replicas on the ports after the router's and its metrics 100 above:
+# free when chosen, but another test process may take one before they bind.
+@pytest.mark.serial
 def test_make_replicas_serves_64_concurrent_streams_over_both(tiny, tmp_path) -> None:
     port = free_port()
     log = (tmp_path / "fleet.log").open("wb")
