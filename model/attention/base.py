@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from model.network.batch import Batch
-from model.network.kv_int8 import is_int8, write_int8
+from model.network.kv_int8 import is_int8, quantize
 
 
 class AttentionBackend(ABC):
@@ -56,9 +56,8 @@ def write_kv(
 ) -> None:
     """Stores the new tokens' K/V at their slots (slot = block_id * block_size + offset),
     quantised where the cache is int8."""
-    if is_int8(k_cache):
-        write_int8(k, v, k_cache, v_cache, slot_mapping)
-        return
-    n_kv, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    if is_int8(k_cache):  # each slot's values and its scale, [.., head_dim + 2]
+        k, v = quantize(k), quantize(v)
+    n_kv, width = k_cache.shape[-2], k_cache.shape[-1]
+    k_cache.view(-1, n_kv, width).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, n_kv, width).index_copy_(0, slot_mapping, v.to(v_cache.dtype))

@@ -63,16 +63,3 @@ def dequantize(slots: torch.Tensor) -> torch.Tensor:
     head_dim = slots.shape[-1] - SCALE_BYTES
     scale = slots[..., head_dim:].view(torch.bfloat16).float()
     return slots[..., :head_dim].float() * scale
-
-
-def write_int8(
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """`write_kv` (model/attention/base.py) for int8 caches [.., n_kv, head_dim + 2]."""
-    n_kv, width = k_cache.shape[-2], k_cache.shape[-1]
-    k_cache.view(-1, n_kv, width).index_copy_(0, slot_mapping, quantize(k))
-    v_cache.view(-1, n_kv, width).index_copy_(0, slot_mapping, quantize(v))
