@@ -18,6 +18,34 @@ def test_positions_and_slots_of_a_ragged_batch() -> None:
     assert batch.seq_lens == [3, 10] and batch.query_lens == [3, 1]
 
 
+def test_a_decode_step_and_the_rows_whose_logits_are_returned() -> None:
+    """One token a sequence takes its own path through `build`; every index tensor stays
+    int64, as the C kernels read it."""
+    decode = Batch.build(
+        [[7], [8], [9]], [0, 5, 12], [[3], [4, 6], [1, 2, 0, 5]], BLOCK, null_block=9
+    )
+    assert decode.positions.tolist() == [0, 5, 12]
+    assert decode.slot_mapping.tolist() == [3 * BLOCK, 6 * BLOCK + 1, 5 * BLOCK]
+    assert decode.logits_indices.tolist() == [0, 1, 2]
+    assert decode.query_start_loc.tolist() == [0, 1, 2, 3]
+    mixed = [[1, 2, 3], [4], [5, 6]]
+    tables = [[0], [1, 2, 3], [4]]
+    flagged = Batch.build(
+        mixed, [0, 9, 2], tables, BLOCK, all_logits=[True, False, True], null_block=9
+    )
+    assert flagged.logits_indices.tolist() == [0, 1, 2, 3, 4, 5]
+    assert flagged.positions.tolist() == [0, 1, 2, 9, 2, 3]
+    assert Batch.build(mixed, [0, 9, 2], tables, BLOCK, null_block=9).logits_indices.tolist() == [
+        2,
+        3,
+        5,
+    ]
+    for batch in (decode, flagged):
+        for name in ("input_ids", "positions", "slot_mapping", "block_tables", "query_start_loc"):
+            assert getattr(batch, name).dtype == torch.int64, name
+        assert batch.logits_indices.dtype == torch.int64 and batch.seq_lens_t.dtype == torch.int64
+
+
 def test_shorter_block_tables_are_padded_with_the_null_block() -> None:
     config = ModelConfig(
         dim=8, n_layers=1, n_heads=2, n_kv_heads=1, head_dim=4, ffn_dim=8, vocab_size=16
