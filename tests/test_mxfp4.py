@@ -79,9 +79,19 @@ def test_the_c_kernel_gives_the_dequantised_product_row_by_row(isa: str) -> None
         batch = kernel(x[:rows].clone(), raw, OUT)
         for row in range(rows):
             assert torch.equal(alone[row], batch[row]), (rows, row)
-    # bf16 rows: widened exactly, each output rounded once.
+    # bf16 rows: fp32 sums of exact products (dpbf16 with AVX-512 BF16, else x widened),
+    # each output rounded once to bf16; each row the same alone as in any batch.
     xb = x.bfloat16()
-    assert torch.equal(kernel(xb, raw, OUT), kernel(xb.float(), raw, OUT).bfloat16())
+    exact = xb.double() @ w.double().T
+    got = kernel(xb, raw, OUT)
+    assert got.dtype == torch.bfloat16
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-8 + bound(xb, w)).all()
+    if kernel.bf16_kind != "avx512_bf16":
+        assert torch.equal(got, kernel(xb.float(), raw, OUT).bfloat16())
+    for rows in (1, 2, 5, 8, 9, 33):
+        batch = kernel(xb[:rows].clone(), raw, OUT)
+        for row in range(rows):
+            assert torch.equal(kernel(xb[row : row + 1].clone(), raw, OUT)[0], batch[row])
 
 
 def test_the_triton_kernel_gives_the_dequantised_product() -> None:

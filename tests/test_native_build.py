@@ -54,6 +54,11 @@ def test_each_level_takes_its_own_mxfp4_loop() -> None:
     assert kinds.get("avx512", "avx512") == "avx512"  # AVX-512F's 16-entry vpermps
     assert kinds.get("avx2", "avx2") == "avx2"
     assert kinds.get("portable", "portable") == "portable"
+    # bf16 rows: dpbf16 where the build has AVX-512 BF16 and VBMI (x86-64-v4 has neither).
+    bf16 = {isa: NativeMxfp4Matmul(library_at(isa)).bf16_kind for isa in ISAS}
+    dpbf16 = {"avx512_bf16", "avx512vbmi"} <= build.cpu_flags()
+    assert bf16.get("native") == ("avx512_bf16" if dpbf16 else kinds.get("native"))
+    assert all(bf16[isa] == kinds[isa] for isa in ISAS if isa != "native")
     # With int8 activations: vpdpbusd where the level has AVX-512 VNNI (x86-64-v4 has not).
     a8 = {isa: NativeMxfp4Matmul(library_at(isa), int8_activations=True).kind for isa in ISAS}
     vnni = "avx512_vnni" if "avx512_vnni" in build.cpu_flags() else a8.get("native")

@@ -64,6 +64,7 @@ HEADERS = (
     "layer_weight.h",
     "lora_step.h",
     "mxfp4_block.h",
+    "mxfp4_dpbf16.h",
 )
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every

@@ -32,6 +32,12 @@ class NativeMxfp4Matmul:
         # Which loop the build compiled: "avx512" (fp32) or "avx512_vnni" (int8), "avx2" or
         # "portable".
         self.kind: str = kind().decode()
+        # bf16 rows' loop: "avx512_bf16" (dpbf16) where built, else the fp32 rows' one.
+        self.bf16_kind = self.kind
+        if not int8_activations:
+            bf16_kind = library.mxfp4_matmul_bf16_kind
+            bf16_kind.restype = ctypes.c_char_p
+            self.bf16_kind = bf16_kind().decode()
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [rows, in], fp32 or bf16; returns [rows, out] in x's dtype."""

@@ -6,8 +6,8 @@
  * doubled (ggml's kvalues_mxfp4), times the halved scale 2^(e - 128). Both factors are
  * exact in fp32 and so is their product, so the result is the dequantised weight's product
  * within fp32's rounding of the sums. Activations stay in fp32 (bf16 ones are widened,
- * exactly): rounding them to int8 as llama.cpp does would move the result by more than
- * that.
+ * exactly, or summed by dpbf16 where mxfp4_dpbf16.h's loop is built): rounding them to
+ * int8 as llama.cpp does would move the result by more than that.
  *
  * AVX-512: one vpermps looks up 16 nibbles in the 16-entry table at once. AVX2: vpermps
  * takes 8 entries, so the low 3 bits pick the magnitude and bit 3 is moved to the sign.
@@ -20,6 +20,10 @@
 
 #include "bf16.h"
 #include "mxfp4_block.h"
+#if defined(__AVX512BF16__) && defined(__AVX512VBMI__)
+#include "mxfp4_dpbf16.h"
+#define MXFP4_DPBF16 1
+#endif
 
 static const float MX_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
@@ -128,7 +132,13 @@ static inline void column_rows(const float *x, int64_t x_stride, const uint8_t *
 
 #endif
 
+/* The loop of fp32 rows, and that of bf16 ones (mxfp4_dpbf16.h's where it is built). */
 const char *mxfp4_matmul_kind(void) { return MXFP4_KERNEL; }
+#ifdef MXFP4_DPBF16
+const char *mxfp4_matmul_bf16_kind(void) { return "avx512_bf16"; }
+#else
+const char *mxfp4_matmul_bf16_kind(void) { return MXFP4_KERNEL; }
+#endif
 
 /* Rows first..end of x against one column's weight row, MX_ROWS at a time. */
 static void column(const float *x, int64_t x_stride, const uint8_t *wn, int64_t blocks,
@@ -163,10 +173,14 @@ int mxfp4_matmul_f32(const float *x, int64_t x_stride, const uint8_t *w, float *
     return 0;
 }
 
-/* As mxfp4_matmul_f32 with bf16 x and y (the C decoder layer's and experts' rows): x is
- * widened exactly, each output rounded once. Returns 0, or 2 when out of memory. */
+/* As mxfp4_matmul_f32 with bf16 x and y (the C decoder layer's and experts' rows), each
+ * output rounded once: with AVX-512 BF16 and VBMI, mxfp4_dpbf16.h's loop; else x widened
+ * exactly for the fp32 one. Returns 0, or 2 when out of memory. */
 int mxfp4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, uint16_t *y,
                       int64_t rows, int64_t n_out, int64_t k) {
+#ifdef MXFP4_DPBF16
+    return mxfp4_dpbf16(x, x_stride, w, y, rows, n_out, k);
+#else
     const int64_t n = rows > 0 ? rows : 1;
     float *xf = malloc(sizeof(float) * n * k), *yf = malloc(sizeof(float) * n * n_out);
     if (xf == NULL || yf == NULL) {
@@ -181,4 +195,5 @@ int mxfp4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, uin
     free(xf);
     free(yf);
     return 0;
+#endif
 }

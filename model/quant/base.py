@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType as T
 from torch import nn
 
 from model.checkpoint.file_blocks import FileBlocks
+from model.native.huge_pages import empty_on_huge_pages
 
 INT4_GROUP = 32
 FP16_SMALLEST = 2.0**-24  # the smallest positive float16
@@ -89,9 +90,10 @@ class QuantizedLinear(nn.Module):
     block_types: frozenset[T] = frozenset()
 
     def _new_staging(self) -> torch.Tensor:
-        return torch.empty(
-            self.out_features, self.in_features, dtype=self.staging_dtype, device=self.device
-        )
+        # Where packing keeps these bytes (grouped int8 reorders them in place), a decode
+        # streams them from 2 MB pages (model/native/huge_pages.py).
+        shape = (self.out_features, self.in_features)
+        return empty_on_huge_pages(shape, self.staging_dtype, self.device)
 
     def _stage(self, row: int, weight: torch.Tensor) -> None:
         raise NotImplementedError

@@ -19,6 +19,7 @@ from model.checkpoint.file_blocks import FileBlocks
 from model.checkpoint.mxfp4 import BLOCK, BLOCK_BYTES, dequantize_rows, quantize_rows
 from model.errors import UnsupportedFormatError
 from model.native.build import NativeUnavailable
+from model.native.huge_pages import empty_on_huge_pages
 from model.native.mxfp4 import NativeMxfp4Matmul
 from model.quant.base import QuantizedLinear
 
@@ -51,9 +52,10 @@ class Mxfp4Linear(QuantizedLinear):
         self.kernel = kernel or "native"
         self._native: NativeMxfp4Matmul | None = None
         row_bytes = in_features // BLOCK * BLOCK_BYTES
-        self.register_buffer(
-            "weight_mxfp4", torch.empty(out_features, row_bytes, dtype=torch.uint8, device=device)
-        )
+        # On 2 MB pages: a decode streams each chosen expert's bytes once
+        # (model/native/huge_pages.py).
+        weight = empty_on_huge_pages((out_features, row_bytes), torch.uint8, device)
+        self.register_buffer("weight_mxfp4", weight)
 
     def _new_staging(self) -> torch.Tensor:
         return self.weight_mxfp4  # the blocks land where they stay: nothing is repacked

@@ -1,0 +1,38 @@
+"""Weight buffers on 2 MB pages (model/native/huge_pages.py): from 2 MB on a CPU buffer
+starts at a 2 MB boundary with the kernel's advice taken and holds what is written to it;
+smaller or non-CPU ones are plain."""
+
+import platform
+from pathlib import Path
+
+import pytest
+import torch
+
+from model.native.huge_pages import HUGE_PAGE, advise_huge_pages, empty_on_huge_pages
+
+
+def _thp_enabled() -> bool:
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="madvise is Linux's")
+def test_a_large_buffer_starts_on_a_huge_page_and_holds_its_values() -> None:
+    t = empty_on_huge_pages((3, HUGE_PAGE // 2 + 8), torch.float16, "cpu")
+    assert t.shape == (3, HUGE_PAGE // 2 + 8) and t.dtype == torch.float16
+    assert t.data_ptr() % HUGE_PAGE == 0 and t.is_contiguous()
+    values = torch.randn(t.shape).half()
+    t.copy_(values)
+    assert torch.equal(t, values)
+    if _thp_enabled():
+        assert advise_huge_pages(t)
+
+
+def test_small_and_meta_buffers_are_plain() -> None:
+    small = empty_on_huge_pages((16, 32), torch.uint8, "cpu")
+    assert small.shape == (16, 32) and small.untyped_storage().nbytes() == 16 * 32
+    meta = empty_on_huge_pages((4096, 4096), torch.int8, "meta")
+    assert meta.device.type == "meta" and meta.shape == (4096, 4096)
