@@ -11,7 +11,9 @@ from gguf import GGMLQuantizationType
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model.loader import load_model
+from model.native.layer import INT6_A8
 from model.network.batch import Batch
+from model.network.decoder_layer import _native_weight
 from model.network.llama import Llama
 from model.network.paged_cache import PagedKVCache
 from model.plan import build, int4_kernel, layer_formats, weight_format
@@ -74,6 +76,7 @@ def test_q6_k_layers_and_head_run_in_int6_where_it_times_no_slower(
     monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: "native")
     times = (1.0, 2.0) if int6_pays else (2.0, 1.0)  # int6, grouped int8 (past NEAR_TIE)
     monkeypatch.setattr(layer_formats, "int6_and_int8g_ms", lambda *_: times)
+    monkeypatch.setattr(layer_formats, "q6_k_in_w6a8", lambda *_: False)  # bf16 products
     model = load_model(path, dtype="auto", quantization="auto", progress=False).model
     narrow = Int6Linear if int6_pays else Int8GroupLinear
     assert isinstance(model.layers[1].down_proj, narrow)
@@ -90,3 +93,25 @@ def test_q6_k_layers_and_head_run_in_int6_where_it_times_no_slower(
     )
     difference = (logprobs(model, ids) - logprobs(exact, ids)).abs().max().item()
     assert difference < 0.08  # 0.04 here; a head 5% off: 0.2
+
+
+def test_q6_k_layers_and_head_take_int8_activations_in_w4a8_without_bf16_products(
+    tmp_path, monkeypatch
+) -> None:
+    """Where the CPU has no bf16 products (AVX2), w4a8's Q6_K layers and Q6_K head run on
+    int6_matmul_a8.c, the same packed bytes, llama.cpp's rounding of the activations."""
+    path = write_q6_k_gguf(tmp_path)
+    monkeypatch.setattr(build, "head_int8", lambda *_: True)
+    monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: "native_a8")
+    monkeypatch.setattr(layer_formats, "q6_k_in_w6a8", lambda *_: True)
+    model = load_model(path, dtype="auto", quantization="w4a8", progress=False).model
+    down = model.layers[1].down_proj
+    assert isinstance(down, Int6Linear) and down.int8_activations
+    assert _native_weight(down)[2] == INT6_A8
+    assert isinstance(model.lm_head, Int6Linear) and model.lm_head.int8_activations
+    assert all(layer.native is not None for layer in model.layers)
+
+    exact = load_model(path, dtype="float32", quantization="none", progress=False).model
+    ids = list(range(3, 200, 7))
+    difference = (logprobs(model, ids) - logprobs(exact, ids)).abs().max().item()
+    assert difference < 0.2  # int8 activations everywhere (test_weight_format.py's bound)

@@ -25,6 +25,7 @@ DIM, FFN, EXPERTS, TOP_K = 256, 256, 8, 3
 FORMATS = [
     ("int4", "native", "int8g"),
     ("w4a8", "native_a8", "int6"),
+    ("int4", "native", "w6a8"),  # an AVX2-only CPU's Q6_K down projection in w4a8
     ("int5", None, "w5a8"),
     ("int8g", None, "int4"),
     ("mxfp4", None, "mxfp4"),  # gpt-oss's experts, the file's MXFP4 blocks as they are

@@ -10,6 +10,7 @@ import pytest
 
 from model.attention import attention_backend
 from model.native import build
+from model.native.int6_a8 import NativeInt6A8Matmul
 from model.native.mxfp4 import NativeMxfp4Matmul
 from model.native.ops import NativeInt4Matmul, NativeInt8Matmul
 from tests.native_builds import ISAS, library_at
@@ -41,7 +42,7 @@ def test_the_setting_chooses_the_build(monkeypatch) -> None:
     assert build.load_library() is build.library_for("native")
 
 
-@pytest.mark.parametrize("kernel", [NativeInt4Matmul, NativeInt8Matmul])
+@pytest.mark.parametrize("kernel", [NativeInt4Matmul, NativeInt8Matmul, NativeInt6A8Matmul])
 def test_each_level_takes_its_own_matmul_loop(kernel: type) -> None:
     kinds = {isa: kernel(library_at(isa)).kind for isa in ISAS}
     assert kinds.get("avx2", "avx2") == "avx2"
@@ -103,7 +104,7 @@ def test_each_build_holds_only_its_levels_instructions(level: str) -> None:
         check=True,
     ).stdout
     assert "paged_decode_bf16" in code and "mxfp4_matmul_f32" in code and "lora_update" in code
-    assert "mxfp4_matmul_a8_f32" in code
+    assert "mxfp4_matmul_a8_f32" in code and "int6_matmul_a8_bf16" in code
     for register in FORBIDDEN[level]:
         assert f"%{register}" not in code, register
     if level == "avx2":

@@ -43,6 +43,7 @@ SOURCES = (
     "int5_matmul.c",
     "int5_matmul_a8.c",
     "int6_matmul.c",
+    "int6_matmul_a8.c",
     "int6_grid.c",
     "int8_matmul.c",
     "decoder_layer.c",

@@ -25,6 +25,7 @@ from model.native.layer import (
     INT5,
     INT5_A8,
     INT6,
+    INT6_A8,
     INT8_GROUPS,
     MXFP4,
     MXFP4_A8,
@@ -222,7 +223,7 @@ def _native_weight(proj: nn.Module) -> NativeWeight | None:
     if isinstance(proj, Int5Linear):
         return proj.weight_int5, proj.scales, INT5_A8 if proj.int8_activations else INT5
     if isinstance(proj, Int6Linear) and not proj.logits:
-        return proj.weight_int6, proj.scales, INT6
+        return proj.weight_int6, proj.scales, INT6_A8 if proj.int8_activations else INT6
     if isinstance(proj, Mxfp4Linear) and proj.on_c_kernel:
         kind = MXFP4_A8 if proj.kernel == "native_a8" else MXFP4
         return proj.weight_mxfp4, proj.weight_mxfp4, kind  # the scales lie in the blocks

@@ -147,12 +147,16 @@ class Llama(nn.Module):
                     parent = layer.get_submodule(owner) if owner else layer
                     setattr(parent, attr, quantized_linear(own, *shape, "meta", kernel))
 
-    def quantize_head(self, int6: bool = False) -> None:
+    def quantize_head(self, int6: bool = False, int8_activations: bool = False) -> None:
         """Swaps the output projection for an empty grouped-int8 one (or an int6 one, for a
         Q6_K head), before loading; a tied embedding then reads its rows from it rather
         than holding a copy."""
         shape = (self.lm_head.in_features, self.lm_head.out_features, "meta")
-        self.lm_head = Int6Linear(*shape, logits=True) if int6 else Int8GroupLinear(*shape)
+        self.lm_head = (
+            Int6Linear(*shape, logits=True, int8_activations=int8_activations)
+            if int6
+            else Int8GroupLinear(*shape)
+        )
         if self.config.tie_embeddings and not self.tp:
             self.embed_from_head = True
             self.embed_tokens = nn.Embedding(0, self.config.dim, device="meta")
@@ -176,6 +180,7 @@ class Llama(nn.Module):
         tp: TensorParallel | None = None,
         head_int8: bool = False,
         head_int6: bool = False,
+        head_int8_activations: bool = False,
         layer_quantizations: LayerQuantizations | None = None,
         int4_kernels: Int4Kernels | None = None,
     ) -> Llama:
@@ -183,13 +188,14 @@ class Llama(nn.Module):
         costs seconds for nothing. With `quantization`, the linear layers are quantised
         ones, filled as the weights load (`layer_quantizations`' layers in their own); with
         `head_int8`, the output projection too (grouped int8, model/quant/, or
-        with `head_int6` int6, model/quant/int6.py)."""
+        with `head_int6` int6, model/quant/int6.py, on int8 activations with
+        `head_int8_activations`)."""
         with skeleton():
             model = cls(config, max_position, device="meta", tp=tp)
             if quantization is not None or layer_quantizations:
                 model.quantize_linears(quantization, layer_quantizations, int4_kernels)
             if head_int8:
-                model.quantize_head(head_int6)
+                model.quantize_head(head_int6, head_int8_activations)
         # The dtype is set while the tensors are still shapes: materialising in fp32 and
         # then casting held both copies of the embedding at once.
         model = materialise(model, dtype, device)

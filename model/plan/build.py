@@ -15,10 +15,10 @@ from model.plan.head_format import head_int8
 from model.plan.int4_kernel import int4_format_kernel
 from model.plan.kernel_plan import Int4Kernels, KernelPlan, attention_name, native_argmax_available
 from model.plan.layer_formats import (
-    head_in_int6,
     key_shape,
     layer_quantizations,
     linear_keys,
+    quantized_head_format,
 )
 from model.plan.mode import allows_native, check_mode, check_quantization
 from model.plan.weight_format import WeightFormat, resolve_weight_format
@@ -66,7 +66,7 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
     )
     head = None
     if flags.quantized_head and head_int8(mode, config, fmt, facts.head_quantized, dev):
-        head = "int6" if head_in_int6(config, facts.head_block_type) else "int8"
+        head = quantized_head_format(config, facts.head_block_type, fmt, mode)
     own = layer_quantizations(
         fmt,
         config,

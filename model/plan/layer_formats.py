@@ -48,7 +48,8 @@ def layer_quantizations(
     with their own; `wide`: those stored in more than 4 bits, `q5_0` and `q6_k`: those all
     Q5_0 or all Q6_K; `chosen`: the format was `auto`'s choice (a quantization asked for by
     name is kept, but for w4a8's wider layers). In w4a8 Q5_0 layers take w5a8: their own
-    format, with the model's int8 activations. `mxfp4`: those all MXFP4, held as they are
+    format, with the model's int8 activations; so do Q6_K ones (w6a8) where the CPU has no
+    bf16 products (`q6_k_in_w6a8`). `mxfp4`: those all MXFP4, held as they are
     in any format, on any device."""
     own = dict.fromkeys(wide, fmt.wide) if fmt.wide else {}
     own.update(dict.fromkeys(mxfp4, "mxfp4"))
@@ -66,11 +67,23 @@ def layer_quantizations(
     elif q5 and int5_pays(config, device):
         own.update(dict.fromkeys(q5, INT5.quantization))
     q6 = [key for key in in_int8g(q6_k) if key_shape(config, key)[0] % INT6_SUPER_BLOCK == 0]
+    if q6 and int8_activations and q6_k_in_w6a8(mode):
+        own.update(dict.fromkeys(q6, "w6a8"))
+        return own
     for in_features, out_features in sorted({key_shape(config, key) for key in q6}):
         if int6_pays(in_features, out_features):
             same = [key for key in q6 if key_shape(config, key) == (in_features, out_features)]
             own.update(dict.fromkeys(same, INT6.quantization))
     return own
+
+
+def q6_k_in_w6a8(mode: str) -> bool:
+    """Whether a w4a8 model's Q6_K layers (and output projection) take int8 activations
+    too: where the int4 kernel has no bf16 products (an AVX2-only CPU), the int6 kernel
+    widens every weight to fp32 and grouped int8 reads 9 bits a weight, while vpmaddubsw
+    on the 6.625 stored bits streams at memory speed (docs/cpu-performance.md); with
+    AVX-512 BF16 int6 and grouped int8 are timed as before."""
+    return weight_format.int8_activations_in_auto(mode)
 
 
 def int5_pays(config: ModelConfig, device: torch.device) -> bool:
@@ -120,12 +133,17 @@ def int6_pays(in_features: int, out_features: int, logits: bool = False) -> bool
     return pays
 
 
-def head_in_int6(config: ModelConfig, block_type: str | None) -> bool:
-    """Whether an output projection that runs in grouped int8 and is stored in Q6_K (or
-    tied to an embedding that is) runs in int6 instead, where it times no slower."""
+def quantized_head_format(
+    config: ModelConfig, block_type: str | None, fmt: WeightFormat, mode: str
+) -> str:
+    """The format of an output projection that runs quantised: grouped int8, or for one
+    stored in Q6_K (or tied to an embedding that is) int6 where it times no slower, w6a8
+    where the model's Q6_K layers take it (`q6_k_in_w6a8`)."""
     if block_type != "Q6_K" or config.dim % INT6_SUPER_BLOCK or config.vocab_size % 16:
-        return False
-    return int6_pays(config.dim, config.vocab_size, logits=True)
+        return "int8"
+    if fmt.quantization == "w4a8" and fmt.wide is not None and q6_k_in_w6a8(mode):
+        return "w6a8"
+    return "int6" if int6_pays(config.dim, config.vocab_size, logits=True) else "int8"
 
 
 def linear_keys(config: ModelConfig) -> list[str]:

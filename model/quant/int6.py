@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType
 from model.checkpoint.dequant import q6_k_grid
 from model.checkpoint.file_blocks import FileBlocks
 from model.errors import UnsupportedFormatError
+from model.native.int6_a8 import NativeInt6A8Logits, NativeInt6A8Matmul
 from model.native.ops import NativeInt6Logits, NativeInt6Matmul, int6_grid
 from model.quant.base import QuantizedLinear
 
@@ -31,7 +32,8 @@ class Int6Linear(QuantizedLinear):
     """Q6_K's own format on the C kernel; bf16 output, or fp32 with `logits` (the output
     projection). Each super-block of 256 input columns is found on its Q6_K grid, so it
     loads without loss; a super-block on no such grid is rounded, and the load says how
-    many were."""
+    many were. `int8_activations` rounds each row of x to int8 in groups of 32 first
+    (int6_matmul_a8.c, as llama.cpp computes a Q6_K layer), on the same packed bytes."""
 
     scale_dtype = torch.float32
     block_types = frozenset({GGMLQuantizationType.Q6_K})
@@ -42,6 +44,7 @@ class Int6Linear(QuantizedLinear):
         out_features: int,
         device: torch.device | str,
         logits: bool = False,
+        int8_activations: bool = False,
     ) -> None:
         if in_features % SUPER_BLOCK or out_features % 16:
             raise UnsupportedFormatError(
@@ -50,6 +53,7 @@ class Int6Linear(QuantizedLinear):
             )
         super().__init__(in_features, out_features, device)
         self.logits = logits
+        self.int8_activations = int8_activations
         self._native: NativeInt6Matmul | None = None
         self._rounded = 0
         # Rows found on their grid (q, c, d) but not yet packed, by first row.
@@ -62,7 +66,12 @@ class Int6Linear(QuantizedLinear):
         """The kernel's own buffers, filled tile by tile as rows come in (`_stage`): packed
         from a copy of the whole layer, a vocabulary's weight was held twice while
         loading (0.19 GB more for Qwen2.5-Coder-1.5B's output projection)."""
-        self._native = NativeInt6Logits() if self.logits else NativeInt6Matmul()
+        kernels = (
+            (NativeInt6A8Matmul, NativeInt6A8Logits)
+            if self.int8_activations
+            else (NativeInt6Matmul, NativeInt6Logits)
+        )
+        self._native = kernels[self.logits]()
         self.weight_int6 = torch.empty(
             self.out_features * self.in_features * 13 // 16, dtype=torch.uint8
         )

@@ -1,0 +1,234 @@
+/* 6-bit weights times int8 activations for the CPU: y[M, N] = x[M, K] W[N, K]^T, x bf16,
+ * y bf16 (a decoder layer) or fp32 (the logits), W in int6_matmul.c's tiled layout (the
+ * same bytes: a layer can run on either).
+ *
+ * Each row of x is rounded to int8 in groups of 32 on entry (int8_rows.h), as llama.cpp
+ * rounds a Q6_K layer's activations (to Q8_K, one scale per 256; a scale per 32 here keeps
+ * more). Per (row, column, group h of 32, sub-blocks 2h and 2h + 1 of 16):
+ * t = sum_b c_b sum (q - 32) xq, exact in int32 (|t| < 2^24, so exact in fp32 too); then
+ * part += t dx_h over the super-block's groups, total += part d, in that order whatever the
+ * number of rows.
+ *
+ * AVX2: vpmaddubsw multiplies a step's unsigned q (0..63) by a broadcast pair of xq into
+ * 16-bit sums, the -32 offset added as -32 times the four xq's sum; two steps' sums stay
+ * within 2 * 4 * 32 * 127 = 32512 < 2^15. vpmaddwd by c, masked to the even (odd) 16-bit
+ * lanes, widens them to 32 bits and applies c at once: lane j holds column 2 j (2 j + 1).
+ * AVX-512 builds take the same loop (auto takes int8 activations only where there are no
+ * bf16 products); other CPUs a portable one.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+#include "int8_rows.h"
+#include "tiles.h"
+
+#define SUPER 256
+#define SUB 16
+#define SUBS (SUPER / SUB)
+#define SUB_BYTES 208
+#define HIGH_BITS 128
+#define SUB_SCALES 192
+#define SUPER_BYTES (SUBS * SUB_BYTES)
+#define STEPS_PER_SUPER (SUPER / 4)
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* Even (0x88) or odd (0xDD) columns of a tile's 16 fp32 in lane order j = 0..7. */
+static inline __m256 split_columns(const float *p, const int odd) {
+    const __m256 lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+    const __m256 mixed = odd ? _mm256_shuffle_ps(lo, hi, 0xDD) : _mm256_shuffle_ps(lo, hi, 0x88);
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(mixed), 0xD8));
+}
+
+static inline __attribute__((always_inline)) void tile_block(
+    const int8_t *xq, const int16_t *offsets, int64_t k, const group_constants *c,
+    int64_t supers, const uint8_t *w, const float *scales, void *y, int64_t y_stride,
+    const int rows, const int f32_out) {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), top = _mm256_set1_epi8(0x30);
+    const __m256i even_mask = _mm256_set1_epi32(0xFFFF);
+    __m256 total[ROW_BLOCK][2];
+    for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < supers; g++) {
+        __m256 part[ROW_BLOCK][2];
+        for (int m = 0; m < rows; m++) part[m][0] = part[m][1] = _mm256_setzero_ps();
+        __m256i t[ROW_BLOCK][2];
+        for (int b = 0; b < SUBS; b++) {
+            const uint8_t *ws = w + g * SUPER_BYTES + b * SUB_BYTES;
+            if (rows >= PREFETCH_ROWS) prefetch_ahead(w, ws - w, SUB_BYTES, supers * SUPER_BYTES);
+            __m256i lo[4], hi[4];
+            for (int u = 0; u < 2; u++) {
+                const __m256i tb = _mm256_loadu_si256((const __m256i *)(ws + HIGH_BITS + 32 * u));
+                for (int odd = 0; odd < 2; odd++) {
+                    const int s = 2 * u + odd;
+                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(ws + 32 * s));
+                    const __m256i lo_top = odd ? tb : _mm256_slli_epi16(tb, 4);
+                    const __m256i hi_top = odd ? _mm256_srli_epi16(tb, 2) : _mm256_slli_epi16(tb, 2);
+                    lo[s] = _mm256_or_si256(_mm256_and_si256(bytes, nibble),
+                                            _mm256_and_si256(lo_top, top));
+                    hi[s] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bytes, 4), nibble),
+                                            _mm256_and_si256(hi_top, top));
+                }
+            }
+            const __m256i c16 = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128((const __m128i *)(ws + SUB_SCALES)));
+            const __m256i c_even = _mm256_and_si256(c16, even_mask);
+            const __m256i c_odd = _mm256_andnot_si256(even_mask, c16);
+            const int64_t at = g * SUPER + b * SUB; /* the sub-block's first K */
+            for (int m = 0; m < rows; m++) {
+                const int8_t *xs = xq + m * k + at;
+                const int16_t *os = offsets + m * (k / 4) + at / 4;
+                __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
+                for (int two = 0; two < 2; two++) {
+                    __m256i acc = _mm256_setzero_si256();
+                    for (int s = 2 * two; s < 2 * two + 2; s++) {
+                        int16_t pair01, pair23;
+                        memcpy(&pair01, xs + 4 * s, 2);
+                        memcpy(&pair23, xs + 4 * s + 2, 2);
+                        const __m256i sum = _mm256_add_epi16(
+                            _mm256_maddubs_epi16(lo[s], _mm256_set1_epi16(pair01)),
+                            _mm256_maddubs_epi16(hi[s], _mm256_set1_epi16(pair23)));
+                        acc = _mm256_add_epi16(acc, _mm256_add_epi16(sum, _mm256_set1_epi16(os[s])));
+                    }
+                    even = _mm256_add_epi32(even, _mm256_madd_epi16(acc, c_even));
+                    odd = _mm256_add_epi32(odd, _mm256_madd_epi16(acc, c_odd));
+                }
+                if (b % 2 == 0) {
+                    t[m][0] = even, t[m][1] = odd;
+                } else {
+                    const __m256 dx = _mm256_set1_ps(c[m * (k / GROUP) + at / GROUP].d);
+                    part[m][0] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(_mm256_add_epi32(t[m][0], even)), dx, part[m][0]);
+                    part[m][1] = _mm256_fmadd_ps(
+                        _mm256_cvtepi32_ps(_mm256_add_epi32(t[m][1], odd)), dx, part[m][1]);
+                }
+            }
+        }
+        const __m256 d_even = split_columns(scales + g * TILE, 0);
+        const __m256 d_odd = split_columns(scales + g * TILE, 1);
+        for (int m = 0; m < rows; m++) {
+            total[m][0] = _mm256_fmadd_ps(part[m][0], d_even, total[m][0]);
+            total[m][1] = _mm256_fmadd_ps(part[m][1], d_odd, total[m][1]);
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        float even[8], odd[8];
+        _mm256_storeu_ps(even, total[m][0]);
+        _mm256_storeu_ps(odd, total[m][1]);
+        for (int j = 0; j < 8; j++) {
+            store(y, m * y_stride + 2 * j, even[j], !f32_out);
+            store(y, m * y_stride + 2 * j + 1, odd[j], !f32_out);
+        }
+    }
+}
+#define INT6_A8_KERNEL "avx2"
+
+#else
+
+/* One row's sub-block against a tile's 16 columns: the integer sums of (q - 32) xq. A call
+ * of its own, so that its sums are ordered the same for blocks of any size. */
+static __attribute__((noinline)) void row_sub(const int32_t wq[SUB][TILE], const int8_t *xs,
+                                              int32_t dot[TILE]) {
+    for (int i = 0; i < TILE; i++) dot[i] = 0;
+    for (int j = 0; j < SUB; j++)
+        for (int i = 0; i < TILE; i++) dot[i] += wq[j][i] * xs[j];
+}
+
+static inline void tile_block(const int8_t *xq, const int16_t *offsets, int64_t k,
+                              const group_constants *c, int64_t supers, const uint8_t *w,
+                              const float *scales, void *y, int64_t y_stride, const int rows,
+                              const int f32_out) {
+    (void)offsets;
+    float total[ROW_BLOCK][TILE] = {{0}};
+    for (int64_t g = 0; g < supers; g++) {
+        float part[ROW_BLOCK][TILE] = {{0}};
+        int32_t t[ROW_BLOCK][TILE];
+        for (int b = 0; b < SUBS; b++) {
+            const uint8_t *ws = w + g * SUPER_BYTES + b * SUB_BYTES;
+            int32_t wq[SUB][TILE];
+            for (int s = 0; s < 4; s++)
+                for (int i = 0; i < TILE; i++)
+                    for (int e = 0; e < 2; e++) {
+                        const int j = 2 * i + e;
+                        const uint8_t byte = ws[32 * s + j];
+                        const uint8_t tb = ws[HIGH_BITS + 32 * (s / 2) + j] >> (4 * (s & 1));
+                        wq[4 * s + e][i] = ((byte & 15) | (tb & 3) << 4) - 32;
+                        wq[4 * s + 2 + e][i] = ((byte >> 4) | ((tb >> 2) & 3) << 4) - 32;
+                    }
+            const int64_t at = g * SUPER + b * SUB;
+            for (int m = 0; m < rows; m++) {
+                int32_t dot[TILE];
+                row_sub(wq, xq + m * k + at, dot);
+                for (int i = 0; i < TILE; i++) {
+                    const int32_t scaled = dot[i] * (int8_t)ws[SUB_SCALES + i];
+                    if (b % 2 == 0) {
+                        t[m][i] = scaled;
+                    } else {
+                        const float dx = c[m * (k / GROUP) + at / GROUP].d;
+                        part[m][i] += (float)(t[m][i] + scaled) * dx;
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < rows; m++)
+            for (int i = 0; i < TILE; i++) total[m][i] += part[m][i] * scales[g * TILE + i];
+    }
+    for (int m = 0; m < rows; m++)
+        for (int i = 0; i < TILE; i++) store(y, m * y_stride + i, total[m][i], !f32_out);
+}
+#define INT6_A8_KERNEL "portable"
+
+#endif
+
+const char *int6_matmul_a8_kind(void) { return INT6_A8_KERNEL; }
+const char *int6_logits_a8_kind(void) { return INT6_A8_KERNEL; }
+
+/* -32 times each four xq's sum, the offset of the q a step's products take. */
+static void step_offsets(const int8_t *xq, int64_t n, int16_t *offsets) {
+    for (int64_t j = 0; j < n / 4; j++)
+        offsets[j] = (int16_t)(-32 * (xq[4 * j] + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3]));
+}
+
+/* x [rows, x_stride] bf16; w, scales as int6_matmul.c's for n_out columns; y [rows, n_out]
+ * bf16 or (f32_out) fp32. n_out % 16 == 0 and k % 256 == 0, checked by the caller.
+ * Returns 0, or 2 when out of memory. */
+static int int6_matmul_a8(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                          const float *scales, void *y, int64_t rows, int64_t n_out, int64_t k,
+                          const int f32_out) {
+    const int64_t supers = k / SUPER, tiles = n_out / TILE;
+    const int64_t tile_bytes = supers * SUPER_BYTES, tile_scales = supers * TILE;
+    const int64_t width = f32_out ? 4 : 2;
+    int8_t *xq;
+    group_constants *c;
+    if (quantise_rows(x, x_stride, rows, k, 1, &xq, &c)) return 2;
+    int16_t *offsets = malloc(sizeof(int16_t) * (rows > 0 ? rows : 1) * (k / 4));
+    if (offsets == NULL) {
+        free(xq);
+        free(c);
+        return 2;
+    }
+    step_offsets(xq, rows * k, offsets);
+#define SINGLE(r)                                                                           \
+    tile_block(xq + m0 * k, offsets + m0 * (k / 4), k, c + m0 * (k / GROUP), supers,         \
+               w + t * tile_bytes, scales + t * tile_scales,                                 \
+               (char *)y + (m0 * n_out + t * TILE) * width, n_out, r, f32_out)
+    FOR_TILES_AND_ROW_BLOCKS(tiles, rows, SINGLE)
+#undef SINGLE
+    free(offsets);
+    free(xq);
+    free(c);
+    return 0;
+}
+
+int int6_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                        const float *scales, uint16_t *y, int64_t rows, int64_t n_out,
+                        int64_t k) {
+    return int6_matmul_a8(x, x_stride, w, scales, y, rows, n_out, k, 0);
+}
+
+int int6_logits_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                        const float *scales, float *y, int64_t rows, int64_t n_out, int64_t k) {
+    return int6_matmul_a8(x, x_stride, w, scales, y, rows, n_out, k, 1);
+}
