@@ -16,6 +16,7 @@ token reads with.
 from __future__ import annotations
 
 import argparse
+import logging
 import random
 import time
 from collections import defaultdict
@@ -26,7 +27,7 @@ import torch
 from bench.loadgen import make_prompt
 from model.loader import load_model
 from model.native.layer import NativeDecoderLayer
-from model.network.decoder_layer import RMSNorm
+from model.network.decoder_layer import DecoderLayer, RMSNorm
 from model.network.llama import Llama
 from model.network.moe import SparseMoE
 from scheduler.config import EngineConfig
@@ -34,6 +35,7 @@ from scheduler.engine.factory import create_engine
 from scheduler.sampling_params import SamplingParams
 
 Timings = dict[str, list[tuple[int, int]]]
+Mode = dict[str, list[tuple[int, int]]]
 
 
 def timed(timings: Timings, name: str, call: Callable) -> Callable:
@@ -94,11 +96,39 @@ def weight_bytes_per_token(model: Llama) -> dict[str, int]:
     return dict(out)
 
 
+def set_router_in_c(model: Llama, in_c: bool) -> None:
+    """The router and experts in the C layer's call (as served), or, as before that, the
+    router in PyTorch and the experts in their own C call."""
+    for layer in model.layers:
+        experts = layer.moe.native if layer.moe is not None else None
+        if layer.native is not None and experts is not None:
+            layer.native.use_moe(experts if in_c else None, experts.pointer)
+    DecoderLayer._moe_in_c_layer = lambda self: None  # keep the choice made here
+
+
+def decode_steps(engine, prompt: list[int], params: SamplingParams, timings: Timings) -> Mode:
+    """One request's decode steps, each part's per-step sums."""
+    out: Mode = defaultdict(list)
+    engine.add_request(f"p{id(out)}", prompt, params)
+    engine.step()  # the prefill
+    while engine.has_work():
+        for part in timings.values():
+            part.clear()
+        wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
+        engine.step()
+        out["engine step"].append((time.perf_counter_ns() - wall, time.thread_time_ns() - cpu))
+        for name, values in timings.items():
+            out[name].append((sum(w for w, _ in values), sum(c for _, c in values)))
+            out[name + " (one call)"].append(min(values))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", required=True)
-    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--rounds", type=int, default=6, help="requests of 64 tokens per mode")
     args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
     loaded = load_model(args.model, dtype="auto", quantization="auto", progress=False)
     model = loaded.model
     engine = create_engine(model, loaded.tokenizer, EngineConfig(max_num_seqs=1))
@@ -106,57 +136,70 @@ def main() -> None:
     params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
     timings: Timings = defaultdict(list)
     instrument(timings)
-    step_times: list[tuple[int, int]] = []
-    n_layers = len(model.layers)
-    done, index = 0, 0
-    while done < args.steps:
-        engine.add_request(f"p{index}", prompt, params)
-        index += 1
-        first = True
-        while engine.has_work():
-            for part in timings.values():
-                part.clear()
-            wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
-            engine.step()
-            step = (time.perf_counter_ns() - wall, time.thread_time_ns() - cpu)
-            if first:  # the prefill
-                first = False
-                continue
-            step_times.append(step)
-            for name, values in timings.items():
-                per_step = (sum(w for w, _ in values), sum(c for _, c in values))
-                best[name] = min(best.get(name, per_step), per_step, key=lambda t: t[0])
-                smallest = min(values, key=lambda t: t[0])
-                best_call[name] = min(best_call.get(name, smallest), smallest)
-                calls[name] = len(values)
-            done += 1
-    report(step_times, n_layers, model)
+    modes: dict[str, Mode] = {
+        "router in PyTorch": defaultdict(list),
+        "router in C": defaultdict(list),
+    }
+    for round_ in range(args.rounds):
+        for name, mode in modes.items():  # interleaved: both see the same neighbours
+            set_router_in_c(model, name == "router in C")
+            for part, values in decode_steps(engine, prompt, params, timings).items():
+                mode[part] += values
+        report(modes, round_ + 1)
+    print_bandwidth(model)
+    parts_of_one_layer(model)
 
 
-best: dict[str, tuple[int, int]] = {}
-best_call: dict[str, tuple[int, int]] = {}
-calls: dict[str, int] = {}
+def parts_of_one_layer(model: Llama, reps: int = 300) -> None:
+    """Layer 0's FFN parts at one row, each called alone: min wall time of `reps` calls,
+    interleaved."""
+    layer = model.layers[0]
+    moe, norm = layer.moe, layer.post_attention_layernorm
+    native = moe.native
+    h = (torch.randn(1, model.config.dim) * 0.5).to(torch.bfloat16)
+    x = norm(h)
+    weights, ids = native.route(x)
+    calls = {
+        "post-attention norm (C kernel via PyTorch)": lambda: norm(h),
+        "router, PyTorch route()": lambda: moe.route(x),
+        "router, C route()": lambda: native.route(x),
+        "experts, C add()": lambda: native.add(x, ids, weights, h),
+        "norm + router + experts, C layer()": lambda: native.layer(h),
+    }
+    best = dict.fromkeys(calls, float("inf"))
+    with torch.inference_mode():
+        for _ in range(reps):
+            for name, call in calls.items():
+                start = time.perf_counter_ns()
+                call()
+                best[name] = min(best[name], time.perf_counter_ns() - start)
+    for name, ns in best.items():
+        print(f"{name:44s} {ns / 1e3:9.1f} us (min of {reps})")
 
 
-def report(step_times: list[tuple[int, int]], n_layers: int, model: Llama) -> None:
-    step = min(step_times)
-    print(f"{len(step_times)} decode steps, {torch.get_num_threads()} threads; minimum of each")
-    print(
-        f"{'part':28s} {'calls':>5s} {'per step ms':>12s} {'thread ms':>10s} {'min call us':>12s}"
-    )
-    print(f"{'engine step':28s} {1:5d} {step[0] / 1e6:12.2f} {step[1] / 1e6:10.2f}")
-    for name, (wall, cpu) in sorted(best.items()):
-        print(
-            f"{name:28s} {calls[name]:5d} {wall / 1e6:12.2f} {cpu / 1e6:10.2f} "
-            f"{best_call[name][0] / 1e3:12.1f}"
-        )
+def report(modes: dict[str, Mode], rounds: int) -> None:
+    print(f"after {rounds} rounds; {torch.get_num_threads()} threads; ms, minimum over steps")
+    names = sorted({n for mode in modes.values() for n in mode})
+    print(f"{'part':34s}" + "".join(f"{m:>30s}" for m in modes))
+    for name in names:
+        cells = []
+        for mode in modes.values():
+            if name in mode:
+                wall, cpu = min(mode[name], key=lambda t: t[0])
+                cells.append(f"{wall / 1e6:12.3f} (thread {cpu / 1e6:7.3f})")
+            else:
+                cells.append(f"{'-':>30s}")
+        print(f"{name:34s}" + "".join(f"{c:>30s}" for c in cells), flush=True)
+
+
+def print_bandwidth(model: Llama) -> None:
     sizes = weight_bytes_per_token(model)
     total = sum(sizes.values())
     print("weights read per token: " + ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sizes.items()))
     bandwidth = copy_bandwidth_gbs()
     print(
         f"total {total / 1e6:.1f} MB; copy bandwidth {bandwidth:.1f} GB/s (2 threads, min of 20) "
-        f"-> {total / bandwidth / 1e6:.2f} ms a token at that rate; {n_layers} layers"
+        f"-> {total / bandwidth / 1e6:.2f} ms a token at that rate"
     )
 
 
