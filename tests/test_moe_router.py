@@ -13,10 +13,18 @@ import shutil
 import pytest
 import torch
 
+from model.greedy import greedy_tokens
+from model.loader import load_model
 from model.native.build import load_library
 from model.native.ops import NativeRmsNorm
 from model.network.decoder_layer import RMSNorm, _native_weight
+from scheduler.config import EngineConfig
+from scheduler.engine.factory import create_engine
+from scheduler.sampling_params import SamplingParams
+from tests.engine_driver import run_engine
+from tests.test_families import prompts
 from tests.test_moe_native import DIM, EXPERTS, quantised_moe
+from tests.tiny_families import make_tiny, write_gguf
 
 if shutil.which("cc") is None and shutil.which("gcc") is None and not os.environ.get("CI"):
     pytest.skip("no C compiler to build the kernels", allow_module_level=True)
@@ -97,3 +105,32 @@ def test_the_c_ffn_is_norm_router_and_experts_in_one_call() -> None:
             assert torch.equal(ids, moe.route(x)[1])
             want = moe.native.add(x, ids, weights, h)
             assert torch.equal(moe.native.layer(h), want), rows
+
+
+def test_greedy_output_on_the_c_router_is_batch_invariant(tmp_path) -> None:
+    """A tiny Qwen3-MoE GGUF in bf16 on the C decoder layer, router and experts in its call:
+    each prompt's greedy tokens alone equal its tokens crowded, chunked and preempted (the
+    router computes each row alone, so no other row moves a token's experts)."""
+    hf = make_tiny("qwen3_moe", tmp_path)
+    gguf = write_gguf(hf, "qwen3_moe", tmp_path, tmp_path / "tiny.gguf")
+    loaded = load_model(
+        gguf, dtype="bfloat16", quantization="int8g", progress=False, attention_backend="cpu_paged"
+    )
+    assert all(layer.native.moe is not None for layer in loaded.model.layers if layer.moe)
+    texts, stop = prompts(6, seed=3), loaded.tokenizer.stop_ids
+    c = loaded.model.config
+    token_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
+    alone = [list(greedy_tokens(loaded.model, ids, 12, stop)) for ids in texts]
+    scenarios = {
+        "crowded": {},
+        "chunked_prefill": {"max_num_batched_tokens": 7},
+        "preemption": {"kv_cache_memory": 96 * token_bytes},
+    }
+    for scenario, kwargs in scenarios.items():
+        engine = create_engine(loaded.model, loaded.tokenizer, EngineConfig(**kwargs))
+        params = SamplingParams(max_tokens=12, temperature=0.0)
+        requests = {f"r{i}": (ids, params) for i, ids in enumerate(texts)}
+        results, preemptions = run_engine(engine, requests)
+        assert preemptions > 0 or scenario != "preemption"
+        for i in range(len(texts)):
+            assert results[(f"r{i}", 0)].token_ids == alone[i], (scenario, i)
