@@ -49,6 +49,8 @@ SOURCES = (
     "decoder_layer.c",
     "lora_update.c",
     "moe_experts.c",
+    "moe_router.c",
+    "topk_select.c",
     "mxfp4_matmul.c",
     "mxfp4_matmul_a8.c",
     "argmax.c",
@@ -65,7 +67,9 @@ HEADERS = (
     "layer_weight.h",
     "lora_step.h",
     "mxfp4_block.h",
+    "moe_layer.h",
     "mxfp4_dpbf16.h",
+    "topk_select.h",
 )
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's
 # vector expf); the order of operations is then fixed in the binary, the same for every

@@ -10,8 +10,9 @@
  * in Gemma 3) and residual.
  * decoder_layer_decode: for a batch of decodes, both around the cache writes and decode
  * attention (with gpt-oss's attention sinks): the whole layer in one call.
- * A layer whose MLP is a mixture of experts (ffn 0) stops after the attention's residual:
- * its caller runs the experts (model/network/moe.py).
+ * A layer whose MLP is a mixture of experts (ffn 0) runs its norm, router and experts in C
+ * after the attention's residual (moe_router.c) where it holds them, else stops there and
+ * its caller runs them (model/network/moe.py).
  * With LoRA adapters resident, each projection's base product is followed by the update of
  * the step's adapter rows (lora_update.c), where the PyTorch layer's hooks add it.
  *
@@ -27,6 +28,7 @@
 #include "bf16.h"
 #include "layer_weight.h"
 #include "lora_step.h"
+#include "moe_layer.h"
 
 /* Elementwise loops are shared among the OpenMP team only for enough rows (a prefill
  * chunk): waking it costs more than a decode step's few rows of work. */
@@ -106,6 +108,9 @@ typedef struct {
      * without adapters. `lora`: the step's rows and slots, shared by every layer. */
     const uint16_t *lora_a[4], *lora_bt[4];
     const lora_step *lora;
+    /* A mixture of experts' layer (ffn 0): its norm, router and experts (moe_router.c), run
+     * after attention's residual; NULL: the caller runs them. */
+    const moe_experts *moe;
 } decoder_layer;
 
 enum { QKV = 0, O = 1, GATE_UP = 2, DOWN = 3 };
@@ -189,7 +194,10 @@ int decoder_attention_output(const decoder_layer *l, const uint16_t *h, const ui
             projected[i] = add_bf16(projected[i], l->o_bias[i % dim]);
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t i = 0; i < rows * dim; i++) out[i] = add_bf16(h[i], projected[i]);
-    if (ffn == 0) goto done; /* a mixture of experts: the caller's */
+    if (ffn == 0) { /* a mixture of experts: here where the layer holds it, else the caller's */
+        if (l->moe != NULL) status = moe_layer_bf16(l->moe, out, rows, out);
+        goto done;
+    }
     rms_norm_bf16(out, l->post_attention_norm, normed, rows, dim, l->eps);
     if ((status = project(l, GATE_UP, normed, dim, gate_up, rows, 2 * ffn, dim))) goto done;
 #pragma omp parallel for schedule(static) if (rows >= PARALLEL_ROWS)

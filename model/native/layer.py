@@ -4,8 +4,9 @@ int5, int6 or grouped int8, per projection), with each family's additions: Qwen2
 bias, the per-head Q/K norms of Qwen3 and Gemma 3, Gemma 3's norms after attention and the MLP and
 its GELU-tanh gate, gpt-oss's O bias and attention sinks; with LoRA adapters resident, the
 update of each adapter row after every projection (`use_lora`, model/native/lora.py). A
-layer whose MLP is a mixture of experts stops after attention's residual add: its caller
-runs the experts (model/network/moe.py).
+layer whose MLP is a mixture of experts runs its router and experts after attention's
+residual add, in the same call, where `use_moe` gave it them (else its caller runs them:
+model/network/moe.py).
 
 At one stream on 2 cores the PyTorch layer's ~40 small ops (splits, views, RoPE's halves,
 casts, SiLU, adds) cost more in dispatch than its arithmetic. Attention itself stays with
@@ -78,6 +79,7 @@ class _DecoderLayer(ctypes.Structure):
         ("lora_a", _PTR * 4),
         ("lora_bt", _PTR * 4),
         ("lora", _PTR),
+        ("moe", _PTR),
     ]
 
 
@@ -138,6 +140,14 @@ class NativeDecoderLayer:
         self._tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
         self._pointer = ctypes.addressof(self._struct)
         self.lora = False  # whether `use_lora` gave this layer the adapters' stacks
+        self.moe: object | None = None  # set by `use_moe`
+
+    def use_moe(self, experts: object | None, pointer: int | None = None) -> None:
+        """A mixture of experts' layer runs its norm, router and experts in the same call,
+        after attention: `pointer` is model/native/moe.py's struct of them, with a router,
+        held by `experts` (None: the caller runs them)."""
+        self.moe = experts  # referenced while the struct points into it
+        self._struct.moe = pointer if experts is not None else None
 
     def use_lora(self, a: list[torch.Tensor], bt: list[torch.Tensor], step: NativeLoraStep) -> None:
         """Adds the update of each adapter row after every projection: `a` and `bt` the

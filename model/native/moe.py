@@ -1,9 +1,9 @@
 """A mixture of experts' experts for one step in one C call (moe_experts.c): the step's
 token slots grouped by expert, each chosen expert run once over its rows (gpt-oss's with
 their biases and clamped gate), the weighted outputs summed per token and added to the
-residual. The router stays in PyTorch
-(model/network/moe.py): a [rows, n_experts] product and a top-k, a few ops a layer, and
-its choice of experts is then exactly the PyTorch path's.
+residual. With `MoeRouter`, the post-attention norm and the router too (moe_router.c):
+the C decoder layer then runs the whole FFN after attention, one call a layer
+(`pointer`), where the PyTorch router's ~10 ops a layer cost more than its product.
 
 On 2 cores the PyTorch path's ~10 small ops per chosen expert (gathers, chunks, SiLU,
 weights, the scatter back) and two OpenMP regions per expert cost more than the experts'
@@ -14,6 +14,7 @@ the step, one OpenMP region.
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +38,25 @@ class _MoeExperts(ctypes.Structure):
         ("down_bias", _PTR),
         ("limit", ctypes.c_float),
         ("alpha", ctypes.c_float),
+        ("norm", _PTR),
+        ("router", _PTR),
+        ("router_bias", _PTR),
+        ("eps", ctypes.c_float),
+        ("norm_topk", _I64),
     ]
+
+
+@dataclass(frozen=True)
+class MoeRouter:
+    """What the C call routes with (all bf16, contiguous): the post-attention RMSNorm's
+    weight and eps, the router's weight [n_experts, dim] and gpt-oss's bias, and whether
+    the top k weights are renormalised."""
+
+    norm: torch.Tensor
+    eps: float
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    norm_topk: bool
 
 
 class NativeMoeExperts:
@@ -54,12 +73,21 @@ class NativeMoeExperts:
         biases: tuple[torch.Tensor, torch.Tensor] | None = None,
         limit: float | None = None,
         alpha: float = 1.702,
+        router: MoeRouter | None = None,
     ) -> None:
         """gpt-oss: `biases`, every expert's gate/up and down biases stacked (bf16,
-        [n_experts, 2 ffn] and [n_experts, dim]), and the gate's `limit` and `alpha`."""
-        self._call = load_library().moe_experts_bf16
+        [n_experts, 2 ffn] and [n_experts, dim]), and the gate's `limit` and `alpha`.
+        With `router`, `layer` and `route` run too."""
+        library = load_library()
+        self._call = library.moe_experts_bf16
         self._call.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR]
         self._call.restype = ctypes.c_int
+        self._layer = library.moe_layer_bf16
+        self._layer.argtypes = [_PTR, _PTR, _I64, _PTR]
+        self._layer.restype = ctypes.c_int
+        self._route = library.moe_route_bf16
+        self._route.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR]
+        self._route.restype = ctypes.c_int
         # The tensors are referenced here, so the pointers below stay valid.
         self._tensors = [t for weight, scales, _ in (*gate_up, *down) for t in (weight, scales)]
         self._gate_up = (WeightStruct * len(gate_up))(
@@ -80,7 +108,21 @@ class NativeMoeExperts:
             alpha,
         )
         self._tensors += list(biases or ())
-        self.dim = dim
+        self.dim, self.top_k = dim, top_k
+        self.router = router
+        if router is not None:
+            parts = [router.norm, router.weight, router.bias]
+            assert all(
+                t.dtype == torch.bfloat16 and t.is_contiguous() for t in parts if t is not None
+            )
+            self._tensors += [t for t in parts if t is not None]
+            self._struct.norm, self._struct.router = (
+                router.norm.data_ptr(),
+                router.weight.data_ptr(),
+            )
+            self._struct.router_bias = router.bias.data_ptr() if router.bias is not None else None
+            self._struct.eps, self._struct.norm_topk = router.eps, router.norm_topk
+        self.pointer = ctypes.addressof(self._struct)
 
     def add(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, h: torch.Tensor
@@ -91,7 +133,7 @@ class NativeMoeExperts:
         ids, weights = ids.contiguous(), weights.contiguous()
         out = torch.empty_like(h)
         status = self._call(
-            ctypes.addressof(self._struct),
+            self.pointer,
             x.data_ptr(),
             x.shape[0],
             ids.data_ptr(),
@@ -102,5 +144,27 @@ class NativeMoeExperts:
         if status == 1:
             raise ValueError("mixture of experts: the router chose an expert out of range")
         if status:
+            raise MemoryError("mixture of experts: out of memory for its buffers")
+        return out
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, dim] contiguous bf16, the normalised rows: (weights [T, k] bf16, expert ids
+        [T, k]) as the C router picks them; needs `router`."""
+        assert self.router is not None
+        ids = torch.empty(x.shape[0], self.top_k, dtype=torch.int64)
+        weights = torch.empty(x.shape[0], self.top_k, dtype=torch.bfloat16)
+        status = self._route(
+            self.pointer, x.data_ptr(), x.shape[0], ids.data_ptr(), weights.data_ptr()
+        )
+        if status:
+            raise MemoryError("mixture of experts: out of memory for the router's buffers")
+        return weights, ids
+
+    def layer(self, h: torch.Tensor) -> torch.Tensor:
+        """h [T, dim] contiguous bf16, the residual after attention: h plus the experts'
+        output for the post-attention norm of h, routed in C; needs `router`."""
+        assert self.router is not None
+        out = torch.empty_like(h)
+        if self._layer(self.pointer, h.data_ptr(), h.shape[0], out.data_ptr()):
             raise MemoryError("mixture of experts: out of memory for its buffers")
         return out

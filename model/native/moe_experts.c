@@ -18,18 +18,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
-#include "layer_weight.h"
-
-/* Mirrored by a ctypes.Structure in model/native/moe.py: same fields, same order. */
-typedef struct {
-    const layer_weight *gate_up, *down; /* [n_experts] each */
-    int64_t n_experts, top_k, dim, ffn;
-    /* gpt-oss: biases [n_experts, 2 ffn] and [n_experts, dim] (NULL: none), and the gate
-     * (up + 1) * g * sigmoid(alpha g), g = min(gate, limit), up within +-limit (limit 0:
-     * SiLU(gate) * up). */
-    const uint16_t *gate_up_bias, *down_bias;
-    float limit, alpha;
-} moe_experts;
+#include "moe_layer.h"
 
 static inline uint16_t add_bias(uint16_t a, uint16_t b) {
     return to_bf16(from_bf16(a) + from_bf16(b));

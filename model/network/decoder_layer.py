@@ -110,8 +110,8 @@ class DecoderLayer(nn.Module):
     def use_native(self) -> bool:
         """Runs around attention in two native calls where every part fits (bf16 norms
         and bias, every projection on a C kernel) and without tensor parallelism. With a
-        mixture of experts the C layer stops after attention and the experts run here; it
-        has no whole-projection Q/K norms (OLMoE)."""
+        mixture of experts the C layer runs the router and experts after attention too
+        (model/native/moe_router.c); it has no whole-projection Q/K norms (OLMoE)."""
         if self.config.qk_norm_whole:
             self.native = None
             return False
@@ -128,7 +128,11 @@ class DecoderLayer(nn.Module):
         )
         self.native = NativeDecoderLayer(self, projections) if fits else None
         if self.moe is not None:
-            self.moe.use_native(_native_weight if fits else lambda _: None)
+            self.moe.use_native(
+                _native_weight if fits else lambda _: None, self.post_attention_layernorm
+            )
+            if self.native is not None:
+                self._moe_in_c_layer()
         return fits
 
     def forward(
@@ -152,6 +156,8 @@ class DecoderLayer(nn.Module):
             and h.is_contiguous()
             and rope[0].dtype == torch.float32  # the C layer reads fp32 angles
         ):
+            if self.moe is not None and self.native.moe is not self.moe.native:
+                self._moe_in_c_layer()
             decodes = getattr(plan, "decodes", None)  # the C attention's plan of decodes only
             out = None
             if decodes is not None:
@@ -162,7 +168,7 @@ class DecoderLayer(nn.Module):
                     q, k, v, k_cache, v_cache, batch, plan, scale, window, self.sinks
                 )
                 out = self.native.attention_output(h, attn)
-            if self.moe is not None:  # the C layer stopped after attention's residual
+            if self.moe is not None and self.native.moe is None:  # stopped after attention
                 out = self.moe.residual(out, self.post_attention_layernorm)
             return out
         qkv = self.qkv_proj(self.input_layernorm(h))
@@ -186,6 +192,16 @@ class DecoderLayer(nn.Module):
         out = self._added(self.o_proj(attn.reshape(-1, c.q_size)), self.attn_out_norm)
         h = h + (out if self.o_bias is None else out + self.o_bias)
         return h + self._added(self._mlp(self.post_attention_layernorm(h)), self.ffn_out_norm)
+
+    def _moe_in_c_layer(self) -> None:
+        """The C layer runs the experts' C call that `moe.native` names, or none once they
+        were put back in PyTorch (`moe.native = None`)."""
+        assert self.native is not None and self.moe is not None
+        experts = self.moe.native
+        if experts is not None and experts.router is not None:
+            self.native.use_moe(experts, experts.pointer)
+        else:
+            self.native.use_moe(None)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         if self.moe is not None:

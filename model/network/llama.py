@@ -108,14 +108,19 @@ class Llama(nn.Module):
             in_c = sum(
                 layer.moe is not None and layer.moe.native is not None for layer in self.layers
             )
+            whole = sum(
+                layer.native is not None and layer.native.moe is not None for layer in self.layers
+            )
             logger.info(
                 "mixture of experts: %d of %d layers run attention in the C decoder layer; "
-                "%d of the %d sparse layers run their experts in one C call, the rest in "
-                "PyTorch on their quantised layers' kernels",
+                "%d of the %d sparse layers run their experts in one C call (%d with the "
+                "router, in the C layer's call), the rest in PyTorch on their quantised "
+                "layers' kernels",
                 native,
                 len(self.layers),
                 in_c,
                 sparse,
+                whole,
             )
         return native
 

@@ -14,7 +14,8 @@ every expert's slice of FFN rows (model/parallel/plan.py): its output is a parti
 the decoder layer adds up across ranks, as after a dense MLP. A step captured in a CUDA
 graph cannot group (the counts live on the device): it runs every expert (`every_expert`).
 Where the C decoder layer runs a layer's attention and every expert's products have a C
-kernel, the experts after the router are one C call (model/native/moe.py, `residual`).
+kernel, the post-attention norm, the router and the experts run in C too
+(model/native/moe.py), in the C layer's own call; this module's `route` is their reference.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from torch import nn
 
 from model.config import ModelConfig
 from model.native.layer import NativeWeight
-from model.native.moe import NativeMoeExperts
+from model.native.moe import MoeRouter, NativeMoeExperts
 
 
 class Expert(nn.Module):
@@ -81,9 +82,14 @@ class SparseMoE(nn.Module):
         # The experts in one C call, set by `use_native` where every product has a C kernel.
         self.native: NativeMoeExperts | None = None
 
-    def use_native(self, native_weight: Callable[[nn.Module], NativeWeight | None]) -> bool:
+    def use_native(
+        self,
+        native_weight: Callable[[nn.Module], NativeWeight | None],
+        norm: nn.Module | None = None,
+    ) -> bool:
         """Runs the experts in one C call where `native_weight` gives every expert's gate/up
-        and down as the C layer reads them; else (or with None) in PyTorch."""
+        and down as the C layer reads them; else (or with None) in PyTorch. With `norm`
+        (the post-attention RMSNorm, bf16), the C call holds it and the router too."""
         gate_up = [native_weight(e.gate_up_proj) for e in self.experts]
         down = [native_weight(e.down_proj) for e in self.experts]
         self.native = None
@@ -109,8 +115,23 @@ class SparseMoE(nn.Module):
             biases,  # type: ignore[arg-type]
             self.limit,
             self.alpha,
+            self._c_router(norm),
         )
         return True
+
+    def _c_router(self, norm: nn.Module | None) -> MoeRouter | None:
+        """The router as the C call reads it: bf16 copies where PyTorch's `route` rounds the
+        weight to the bf16 activations' dtype too."""
+        if norm is None or norm.weight.dtype != torch.bfloat16:
+            return None
+        bias = self.router.bias
+        return MoeRouter(
+            norm.weight.detach().contiguous(),
+            norm.eps,
+            self.router.weight.detach().to(torch.bfloat16).contiguous(),
+            None if bias is None else bias.detach().to(torch.bfloat16).contiguous(),
+            self.norm_topk_prob,
+        )
 
     def residual(
         self, h: torch.Tensor, norm: Callable[[torch.Tensor], torch.Tensor]
