@@ -129,19 +129,27 @@ static void pair_int8(float qf[][MAX_HEAD_DIM], const int8_t *k_cache, const int
 }
 
 #if FAST_PAIRS
-/* pair_int8 in the vectorised path's functions, head_dim = INT8_RUN chunks (a constant):
+/* pair_int8 in the vectorised path's functions, head_dim = INT8_RUN chunks (a constant);
+ * qb: the query heads as bf16 (NULL for fp32 queries), `scale` not applied, for the path
+ * that multiplies them as they are where the CPU can (AVX-512 BF16):
  * the scores, their exponentials, each weight times its value's scale (`value_scales`
  * holds room for `len`), then the weighted values of INT8_HEADS_AT_ONCE query heads at a
  * time. */
 static inline __attribute__((always_inline)) void pair_int8_fast(
-    float qf[][MAX_HEAD_DIM], const int8_t *k_cache, const int8_t *v_cache,
-    const int64_t *table, int64_t len, int64_t block_size, int64_t block_stride,
-    int64_t token_stride, int64_t group, int64_t masked, float *scores, float *value_scales,
-    float acc[][MAX_HEAD_DIM], const int chunks) {
+    float qf[][MAX_HEAD_DIM], const uint16_t *qb, float scale, const int8_t *k_cache,
+    const int8_t *v_cache, const int64_t *table, int64_t len, int64_t block_size,
+    int64_t block_stride, int64_t token_stride, int64_t group, int64_t masked, float *scores,
+    float *value_scales, float acc[][MAX_HEAD_DIM], const int chunks) {
     const int64_t head_dim = INT8_RUN * chunks, at_once = INT8_HEADS_AT_ONCE(chunks);
     float inverse_total[MAX_GROUP];
-    int8_scores(qf, k_cache, table, len, block_size, block_stride, token_stride, group, scores,
-                chunks);
+#if defined(__AVX512BF16__)
+    if (qb)
+        int8_scores_bf16(qb, scale, k_cache, table, len, block_size, block_stride, token_stride,
+                         group, scores, chunks);
+    else
+#endif
+        int8_scores(qf, k_cache, table, len, block_size, block_stride, token_stride, group,
+                    scores, chunks);
     for (int64_t g = 0; g < group; g++) {
         for (int64_t t = 0; t < masked; t++) scores[g * len + t] = -INFINITY;
         inverse_total[g] = 1.0f / exponentiate(scores + g * len, len, -INFINITY);
@@ -159,6 +167,9 @@ static inline __attribute__((always_inline)) void pair_int8_fast(
     int8_values(scores + g * len, inverse_total + g, v_cache, table, len, block_size,        \
                 block_stride, token_stride, acc + g, count, chunks)
         switch (n) {
+        case 7: HEADS(7); break;
+        case 6: HEADS(6); break;
+        case 5: HEADS(5); break;
         case 4: HEADS(4); break;
         case 3: HEADS(3); break;
         case 2: HEADS(2); break;
@@ -210,14 +221,16 @@ static int paged_decode_int8(const void *q, int64_t q_row_stride, const int8_t *
 #if FAST_PAIRS
             if (head_dim == 64 || head_dim == 128) {
                 float *value_scales = scores + group * longest;
+                const uint16_t *qb =
+                    bf16 ? (const uint16_t *)q + r * q_row_stride + h * group * head_dim : NULL;
                 if (head_dim == 64)
-                    pair_int8_fast(qf, kh, vh, table, len, block_size, block_stride,
-                                   token_stride, group, masked, scores, value_scales, acc,
-                                   64 / INT8_RUN);
+                    pair_int8_fast(qf, qb, scale, kh, vh, table, len, block_size,
+                                   block_stride, token_stride, group, masked, scores,
+                                   value_scales, acc, 64 / INT8_RUN);
                 else
-                    pair_int8_fast(qf, kh, vh, table, len, block_size, block_stride,
-                                   token_stride, group, masked, scores, value_scales, acc,
-                                   128 / INT8_RUN);
+                    pair_int8_fast(qf, qb, scale, kh, vh, table, len, block_size,
+                                   block_stride, token_stride, group, masked, scores,
+                                   value_scales, acc, 128 / INT8_RUN);
             } else
 #endif
                 pair_int8(qf, kh, vh, table, len, block_size, block_stride, token_stride,

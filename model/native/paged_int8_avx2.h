@@ -67,7 +67,7 @@ static inline __attribute__((always_inline)) void int8_values(
     int64_t len, int64_t block_size, int64_t block_stride, int64_t token_stride,
     float acc_out[][MAX_HEAD_DIM], const int heads, const int chunks) {
     for (int64_t c = 0; c < 8 * chunks; c += 16) {
-        __m256 acc[4][2];
+        __m256 acc[7][2]; /* room for paged_decode_int8.c's largest case; 4 are used */
         for (int h = 0; h < heads; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
         for (int64_t b = 0, t = 0; t < len; b++) {
             const int8_t *block = v_cache + table[b] * block_stride + c;
