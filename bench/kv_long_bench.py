@@ -129,8 +129,11 @@ def one_run(
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"kv-long-{name.replace(' ', '-')}.log"
     with running(name, command, port, log_path, start_timeout_s) as server:
+        # A prompt that waits for the others' prefills can see no token for many minutes.
         stats = asyncio.run(
-            run_closed_loop(server.base_url, prompts, scenario.clients, scenario.max_tokens)
+            run_closed_loop(
+                server.base_url, prompts, scenario.clients, scenario.max_tokens, timeout_s=3600
+            )
         )
         rss = server.peak_rss_bytes()
         peer = name.startswith("llama-server")
