@@ -20,8 +20,9 @@
 
 #define INT8_RUN 16 /* keys a run */
 /* Query heads whose values are weighed at once: their sums and a value fill the registers
- * (at head_dim 64 a group of 7, Qwen2.5's, in one pass: 1.1x over two passes of 4 and 3). */
-#define INT8_HEADS_AT_ONCE(chunks) ((chunks) == 4 ? 7 : 2)
+ * (at head_dim 64 a group of 7, Qwen2.5-0.5B's, in one pass: 1.1x over passes of 4 and 3;
+ * at 128 three, 1.1x over two, where six spill and take 1.6x). */
+#define INT8_HEADS_AT_ONCE(chunks) ((chunks) == 4 ? 7 : 3)
 
 /* 16 int8 as 16 fp32, in order. */
 static inline __m512 widen16(const int8_t *p) {
