@@ -68,6 +68,7 @@ class LongRun:
     peak_rss: int
     capacity_tokens: int | None  # as the server reported it
     preemptions: int | None  # None where the server has no such count
+    weights: str | None = None  # llamaserve's weight format, from its log
 
 
 def kv_budget_bytes(config: ModelConfig, clients: int, tokens_per_request: int) -> int:
@@ -158,26 +159,25 @@ def print_table(results: dict[str, LongRun]) -> None:
         )
         if s.first_error:
             print(f"{name}: {s.num_errors} failed, the first with {s.first_error}")
+    if {"auto", "int8"} <= results.keys():
+        a, b = results["auto"], results["int8"]
+        pairs = [
+            (b.stats.output_tok_s, a.stats.output_tok_s),
+            (b.stats.ttft_p50_s, a.stats.ttft_p50_s),
+            (b.stats.ttft_p99_s, a.stats.ttft_p99_s),
+            (b.stats.itl_p50_s, a.stats.itl_p50_s),
+            (b.stats.itl_p99_s, a.stats.itl_p99_s),
+            (b.peak_rss, a.peak_rss),
+            (b.capacity_tokens or 0, a.capacity_tokens or 0),
+        ]
+        r = [x / y if y else float("nan") for x, y in pairs]
+        line = f"{'int8 / auto':<19}{r[0]:>7.2f}x{r[1]:>9.2f}x{r[2]:>7.2f}x{r[3]:>8.2f}x"
+        print(line + f"{r[4]:>7.2f}x{r[5]:>9.2f}x{r[6]:>10.2f}x")
     formats = {name: run.weights for name, run in results.items() if run.weights}
     if formats:
         print("weights: " + ", ".join(f"{name} {value}" for name, value in formats.items()))
     if len(set(formats.values())) > 1:
         print("the servers chose different weight formats: a busy machine; compare nothing")
-    if {"auto", "int8"} <= results.keys():
-        a, b = results["auto"], results["int8"]
-        ratios = [
-            b.stats.output_tok_s / a.stats.output_tok_s,
-            b.stats.ttft_p50_s / a.stats.ttft_p50_s,
-            b.stats.ttft_p99_s / a.stats.ttft_p99_s,
-            b.stats.itl_p50_s / a.stats.itl_p50_s,
-            b.stats.itl_p99_s / a.stats.itl_p99_s,
-            b.peak_rss / max(1, a.peak_rss),
-        ]
-        line = f"{'int8 / auto':<19}{ratios[0]:>7.2f}x{ratios[1]:>9.2f}x{ratios[2]:>7.2f}x"
-        line += f"{ratios[3]:>8.2f}x{ratios[4]:>7.2f}x{ratios[5]:>9.2f}x"
-        if a.capacity_tokens and b.capacity_tokens:
-            line += f"{b.capacity_tokens / a.capacity_tokens:>10.2f}x"
-        print(line)
 
 
 def race(

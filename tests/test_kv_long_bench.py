@@ -7,12 +7,15 @@ import logging
 import torch
 
 from bench.kv_long_bench import (
+    LongRun,
     kv_budget_bytes,
     llama_server_capacity,
     llamaserve_capacity,
+    print_table,
     q8_0_context,
     weight_format,
 )
+from bench.loadgen import RequestTiming, summarize
 from scheduler.config import EngineConfig
 from scheduler.runner.kv_capacity import plan_kv_capacity
 from tests.test_kv_int8 import SHAPES
@@ -57,3 +60,19 @@ def test_llamaserves_weight_format_is_read_from_its_log() -> None:
     )
     assert weight_format(line) == "bfloat16 + int8g"
     assert weight_format("nothing") is None
+
+
+def test_the_table_survives_a_server_that_answered_nothing(capsys) -> None:
+    done = RequestTiming(sent=0.0, token_times=[1.0, 1.5, 2.0], num_tokens=3)
+    failed = RequestTiming(sent=0.0, error="HTTP 500")
+    print_table(
+        {
+            "auto": LongRun(summarize([failed], 4.0), 2**30, 832, 2, "bfloat16 + int8g"),
+            "int8": LongRun(summarize([done], 4.0), 2**30, 1632, 0, "bfloat16"),
+            "llama-server q8_0": LongRun(summarize([done], 4.0), 2**29, 1536, None),
+        }
+    )
+    out = capsys.readouterr().out
+    assert "auto: 1 failed, the first with HTTP 500" in out
+    assert "1.96x" in out  # the capacities' ratio
+    assert "different weight formats" in out
