@@ -161,8 +161,10 @@ async def run_closed_loop(
     num_clients: int,
     max_tokens: int,
     extra: dict | None = None,
+    timeout_s: float = 600.0,
 ) -> RunStats:
-    """Sends every prompt once, `num_clients` at a time, and times the whole run."""
+    """Sends every prompt once, `num_clients` at a time, and times the whole run.
+    timeout_s: the longest wait for any byte, the first token's included."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for prompt in prompts:
         queue.put_nowait(prompt)
@@ -175,7 +177,7 @@ async def run_closed_loop(
             prompt = queue.get_nowait()
             timings.append(await stream_one(client, url, prompt, max_tokens, extra))
 
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
         started = time.monotonic()
         await asyncio.gather(*(client_loop(client) for _ in range(num_clients)))
         wall_s = time.monotonic() - started

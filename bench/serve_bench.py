@@ -1,7 +1,7 @@
 """llamaserve against llama.cpp's llama-server on the same GGUF, the same thread count and
 the same load, side by side; `make bench` runs it.
 
-    python -m bench.serve_bench                     # scenarios a-f, l, m and s, every peer
+    python -m bench.serve_bench                     # every scenario, every peer
     python -m bench.serve_bench --scenarios a --servers llamaserve --scale 0.5
 
 For each scenario a fresh server of each kind is started, driven by one closed-loop load
@@ -26,6 +26,8 @@ from pathlib import Path
 
 from bench.embed_bench import race as embed_race
 from bench.gpt_oss_shape import gpt_oss_shape_gguf
+from bench.kv_long_bench import LongContext
+from bench.kv_long_bench import race as kv_long_race
 from bench.loadgen import RunStats, make_prompt, run_closed_loop
 from bench.lora_bench import race as lora_race
 from bench.moe_shape import moe_shape_gguf
@@ -222,12 +224,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--model", type=Path, default=None, help="GGUF file (default: bundled)")
     p.add_argument(
         "--scenarios",
-        default="abcdeflmsxygh",
+        default="abcdeflmsxyghk",
         help="a-f: generation on --model; l: LoRA adapters against the base on --model "
         "(bench/lora_bench.py); m: embeddings (bench/embed_bench.py); s: "
         "speculative decoding on --model (bench/spec_bench.py); x, y: generation on a "
         "mixture of experts at Qwen3-30B-A3B's layer shape (bench/moe_shape.py); g, h: "
-        "at gpt-oss-20b's, MXFP4 experts (bench/gpt_oss_shape.py)",
+        "at gpt-oss-20b's, MXFP4 experts (bench/gpt_oss_shape.py); k: long contexts in a "
+        "KV budget int8 doubles, on Qwen2.5-Coder-0.5B (bench/kv_long_bench.py)",
     )
     p.add_argument(
         "--servers",
@@ -270,6 +273,13 @@ def main(argv: list[str] | None = None) -> None:
             spec_race(
                 str(args.model), args.threads, 256, args.llamaserve_args, draft=args.draft_model
             )
+            continue
+        if key == "k":  # --kv-cache-dtype auto against int8 in one budget, and a q8_0 peer
+            requests = max(LongContext.clients, round(LongContext.requests * args.scale))
+            kv_long_race(
+                args.threads, seed + ord(key), LongContext(requests=requests),
+                tuple(args.servers), args.cpu_isa, tuple(args.llamaserve_args),
+            )  # fmt: skip
             continue
         scenario = SCENARIOS[key]
         model, servers, words = args.model, args.servers, tokenizer

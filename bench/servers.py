@@ -123,19 +123,26 @@ def llama_server_command(
 
 @contextmanager
 def running(
-    name: str, command: list[str], port: int, log_path: Path | None = None
+    name: str,
+    command: list[str],
+    port: int,
+    log_path: Path | None = None,
+    start_timeout_s: float = 300,
 ) -> Iterator[RunningServer]:
     """A server process on loopback, healthy, stopped (with its process group) on exit.
     Its output goes to `log_path`, by default a file named after it in the bench cache."""
-    with running_all([(name, command, port, log_path)]) as (server,):
+    with running_all([(name, command, port, log_path)], start_timeout_s) as (server,):
         yield server
 
 
 @contextmanager
 def running_all(
     specs: list[tuple[str, list[str], int, Path | None]],
+    start_timeout_s: float = 300,
 ) -> Iterator[list[RunningServer]]:
-    """Several servers started at once (their start-ups overlap), each waited for."""
+    """Several servers started at once (their start-ups overlap), each waited for up to
+    `start_timeout_s` (a busy machine's start-up measurements are taken again, and take
+    longer)."""
     logs, processes = [], []
     try:
         for name, command, _, log_path in specs:
@@ -152,7 +159,7 @@ def running_all(
         for (name, _, port, _), process, (log_path, _) in zip(specs, processes, logs, strict=True):
             base_url = f"http://127.0.0.1:{port}"
             try:
-                wait_healthy(base_url, process)
+                wait_healthy(base_url, process, start_timeout_s)
             except RuntimeError as exc:
                 tail = log_path.read_text(errors="replace")[-3000:]
                 raise RuntimeError(f"{exc}; the end of {log_path}:\n{tail}") from None

@@ -73,6 +73,20 @@ def test_c_kernel_matches_the_reference_on_the_same_int8_cache(
     assert 1e-4 < (exact - want.float()).abs().max() < 0.1
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_c_kernel_matches_the_reference_with_seven_query_heads_a_kv_head(
+    backend: CpuPagedBackend, head_dim: int
+) -> None:
+    """Qwen2.5's groups of 7 (the vector paths weigh the values a few query heads at a
+    time) at both head sizes they take, over runs of keys that end mid-block."""
+    batch, _, k, v, k_cache, v_cache = _random_step(torch.bfloat16, [3, 33, 300], 20, 1, head_dim)
+    q = torch.randn(batch.num_tokens, 14, head_dim, generator=torch.Generator().manual_seed(2))
+    step = batch, q.bfloat16(), k, v, quantize(k_cache), quantize(v_cache)
+    got = _attend(backend, *step)
+    want = _attend(TorchRefBackend(), *step)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_a_prefill_query_gets_the_bits_of_the_same_query_decoded(backend) -> None:
     """bf16 prefills run on the kernel one query at a time: chunking changes nothing."""
     prefill = 9

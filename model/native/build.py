@@ -61,6 +61,8 @@ HEADERS = (
     "portable_group.h",
     "paged_pairs_avx512.h",
     "paged_pairs_avx2.h",
+    "paged_int8_avx512.h",
+    "paged_int8_avx2.h",
     "int5_avx512.h",
     "int6_avx512.h",
     "int8_rows.h",

@@ -8,8 +8,10 @@
  * its value (p scale_v * v[d]), so the int8 values are widened to fp32 and never scaled
  * one by one. Each (row, KV head) pair is computed whole on one thread, in the same order
  * whatever else is in the batch, and a prefill's query takes the same path as a decode:
- * a token's attention is the same bits however its prompt was chunked. The loops are
- * plain C that the compiler vectorises for the level it builds (model/native/build.py).
+ * a token's attention is the same bits however its prompt was chunked. At head_dim 64
+ * and 128 with AVX-512 or AVX2 the pairs take the vectorised path of paged_int8_avx512.h
+ * or paged_int8_avx2.h; elsewhere plain C loops that the compiler vectorises for the
+ * level it builds (model/native/build.py).
  */
 #include <math.h>
 #include <stdint.h>
@@ -27,6 +29,18 @@ static inline float slot_scale(const int8_t *slot, int64_t head_dim) {
     memcpy(&bits, slot + head_dim, sizeof bits);
     return from_bf16(bits);
 }
+
+#if defined(__AVX512F__)
+#include "paged_pairs_avx512.h"
+#include "paged_int8_avx512.h"
+#define FAST_PAIRS 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "paged_pairs_avx2.h"
+#include "paged_int8_avx2.h"
+#define FAST_PAIRS 1
+#else
+#define FAST_PAIRS 0
+#endif
 
 /* One head's values into its slot: scale = bf16(max |x| / 127), q = round(x / scale). */
 static void quantize_slot(const void *x, int64_t first, int64_t head_dim, int bf16,
@@ -114,6 +128,58 @@ static void pair_int8(float qf[][MAX_HEAD_DIM], const int8_t *k_cache, const int
     }
 }
 
+#if FAST_PAIRS
+/* pair_int8 in the vectorised path's functions, head_dim = INT8_RUN chunks (a constant);
+ * qb: the query heads as bf16 (NULL for fp32 queries), `scale` not applied, for the path
+ * that multiplies them as they are where the CPU can (AVX-512 BF16):
+ * the scores, their exponentials, each weight times its value's scale (`value_scales`
+ * holds room for `len`), then the weighted values of INT8_HEADS_AT_ONCE query heads at a
+ * time. */
+static inline __attribute__((always_inline)) void pair_int8_fast(
+    float qf[][MAX_HEAD_DIM], const uint16_t *qb, float scale, const int8_t *k_cache,
+    const int8_t *v_cache, const int64_t *table, int64_t len, int64_t block_size,
+    int64_t block_stride, int64_t token_stride, int64_t group, int64_t masked, float *scores,
+    float *value_scales, float acc[][MAX_HEAD_DIM], const int chunks) {
+    const int64_t head_dim = INT8_RUN * chunks, at_once = INT8_HEADS_AT_ONCE(chunks);
+    float inverse_total[MAX_GROUP];
+#if defined(__AVX512BF16__)
+    if (qb)
+        int8_scores_bf16(qb, scale, k_cache, table, len, block_size, block_stride, token_stride,
+                         group, scores, chunks);
+    else
+#endif
+        int8_scores(qf, k_cache, table, len, block_size, block_stride, token_stride, group,
+                    scores, chunks);
+    for (int64_t g = 0; g < group; g++) {
+        for (int64_t t = 0; t < masked; t++) scores[g * len + t] = -INFINITY;
+        inverse_total[g] = 1.0f / exponentiate(scores + g * len, len, -INFINITY);
+    }
+    for (int64_t b = 0, t = 0; t < len; b++) {
+        const int8_t *block = v_cache + table[b] * block_stride;
+        for (int64_t i = 0; i < block_size && t < len; i++, t++)
+            value_scales[t] = slot_scale(block + i * token_stride, head_dim);
+    }
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t t = 0; t < len; t++) scores[g * len + t] *= value_scales[t];
+    for (int64_t g = 0, n; g < group; g += n) {
+        n = group - g < at_once ? group - g : at_once;
+#define HEADS(count)                                                                       \
+    int8_values(scores + g * len, inverse_total + g, v_cache, table, len, block_size,        \
+                block_stride, token_stride, acc + g, count, chunks)
+        switch (n) {
+        case 7: HEADS(7); break;
+        case 6: HEADS(6); break;
+        case 5: HEADS(5); break;
+        case 4: HEADS(4); break;
+        case 3: HEADS(3); break;
+        case 2: HEADS(2); break;
+        default: HEADS(1); break;
+        }
+#undef HEADS
+    }
+}
+#endif
+
 /* As paged_decode.c's paged_decode, over int8 caches [blocks, block_size, n_kv,
  * head_dim + 2]; q and out in bf16 or fp32. Returns 0, 1 for shapes past the fixed
  * buffers, 2 when out of memory. */
@@ -132,7 +198,8 @@ static int paged_decode_int8(const void *q, int64_t q_row_stride, const int8_t *
 
 #pragma omp parallel reduction(| : failed)
     {
-        float *scores = malloc(sizeof(float) * group * longest);
+        /* the scores, then the values' scales of one sequence */
+        float *scores = malloc(sizeof(float) * (group + 1) * longest);
         float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
         failed = scores == NULL;
 #pragma omp for schedule(static, 1)
@@ -147,11 +214,27 @@ static int paged_decode_int8(const void *q, int64_t q_row_stride, const int8_t *
                 const int64_t first = r * q_row_stride + (h * group + g) * head_dim;
                 for (int64_t d = 0; d < head_dim; d++) qf[g][d] = load(q, first + d, bf16) * scale;
             }
-            pair_int8(qf, k_cache + h * (head_dim + SCALE_BYTES),
-                      v_cache + h * (head_dim + SCALE_BYTES),
-                      block_tables + r * table_stride + skipped_blocks, len, block_size,
-                      block_stride, token_stride, head_dim, group, skip % block_size, scores,
-                      acc);
+            const int8_t *kh = k_cache + h * (head_dim + SCALE_BYTES);
+            const int8_t *vh = v_cache + h * (head_dim + SCALE_BYTES);
+            const int64_t *table = block_tables + r * table_stride + skipped_blocks;
+            const int64_t masked = skip % block_size;
+#if FAST_PAIRS
+            if (head_dim == 64 || head_dim == 128) {
+                float *value_scales = scores + group * longest;
+                const uint16_t *qb =
+                    bf16 ? (const uint16_t *)q + r * q_row_stride + h * group * head_dim : NULL;
+                if (head_dim == 64)
+                    pair_int8_fast(qf, qb, scale, kh, vh, table, len, block_size,
+                                   block_stride, token_stride, group, masked, scores,
+                                   value_scales, acc, 64 / INT8_RUN);
+                else
+                    pair_int8_fast(qf, qb, scale, kh, vh, table, len, block_size,
+                                   block_stride, token_stride, group, masked, scores,
+                                   value_scales, acc, 128 / INT8_RUN);
+            } else
+#endif
+                pair_int8(qf, kh, vh, table, len, block_size, block_stride, token_stride,
+                          head_dim, group, masked, scores, acc);
             for (int64_t g = 0; g < group; g++) {
                 const int64_t first = (r * n_heads + h * group + g) * head_dim;
                 for (int64_t d = 0; d < head_dim; d++) store(out, first + d, acc[g][d], bf16);

@@ -1,7 +1,8 @@
 /* paged_decode.c's vectorised path with AVX2 and FMA (8 fp32 lanes) for bf16 q, caches
  * and output, head_dim 64 or 128, on CPUs without AVX-512 (the AVX2-only EPYCs):
  * `group_scores`, `exponentiate` and `heads_values`, which paged_decode.c's `pair_bf16`
- * calls. Included by paged_decode.c alone, where the compiler targets AVX2 but not
+ * calls. Included by paged_decode.c (and, for `sum_each8`, `first_lanes` and
+ * `exponentiate`, by paged_decode_int8.c), where the compiler targets AVX2 but not
  * AVX-512.
  *
  * The generic loop the compiler vectorises took about twice SDPA's time for a 512-token

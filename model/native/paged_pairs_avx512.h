@@ -1,7 +1,8 @@
 /* paged_decode.c's vectorised path with AVX-512 (dpbf16 where the CPU has AVX-512 BF16)
  * for bf16 q, caches and output, head_dim 64 or 128: `group_scores`, `exponentiate` and
  * `heads_values`, which paged_decode.c's `pair_bf16` calls. Included by paged_decode.c
- * alone, where the compiler targets AVX-512. */
+ * (and, for `sum_each` and `exponentiate`, by paged_decode_int8.c), where the compiler
+ * targets AVX-512. */
 #ifndef LLAMASERVE_PAGED_PAIRS_AVX512_H
 #define LLAMASERVE_PAGED_PAIRS_AVX512_H
 
