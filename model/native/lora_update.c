@@ -64,6 +64,8 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, in
                 int64_t rows, int64_t n_out, int64_t k) {
     if (step == NULL || step->row_slots == NULL || a == NULL || bt == NULL || rows <= 0) return 0;
     const int64_t rank_max = step->max_rank, width = n_targets * rank_max;
+    const int64_t a_stride = step->a_slot_stride ? step->a_slot_stride : width * k;
+    const int64_t bt_stride = step->bt_slot_stride ? step->bt_slot_stride : rank_max * n_out;
     int64_t blocks = 0;
     for (int64_t t = 0; t < n_targets; t++) blocks += (sizes[t] + COLUMNS - 1) / COLUMNS;
     int64_t *order = malloc(sizeof(int64_t) * rows);
@@ -91,7 +93,7 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, in
         for (int64_t item = 0; item < groups * width; item++) {
             const int64_t g = item / width, j = item % width, s = slot[g];
             if (j % rank_max >= step->ranks[s]) continue; /* zero padding: never read */
-            const uint16_t *a_row = a + (s * width + j) * k;
+            const uint16_t *a_row = a + s * a_stride + j * k;
             for (int64_t p = first[g]; p < first[g + 1]; p++)
                 u[p * width + j] = dot(x + order[p] * x_stride, a_row, k);
         }
@@ -107,7 +109,7 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, in
                 float acc[COLUMNS] = {0};
                 const float *up = u + p * width + t * rank_max;
                 for (int64_t j = 0; j < rank; j++) {
-                    const uint16_t *b_row = bt + (s * rank_max + j) * n_out + c0;
+                    const uint16_t *b_row = bt + s * bt_stride + j * n_out + c0;
                     for (int64_t c = 0; c < n; c++) acc[c] += up[j] * from_bf16(b_row[c]);
                 }
                 uint16_t *out = y + order[p] * n_out + c0;
