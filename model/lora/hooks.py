@@ -62,7 +62,7 @@ def _use_native(model: nn.Module, slots: LoraSlots) -> NativeLoraStep | None:
     if not layers:
         return None
     slots.use_transposed()
-    step = NativeLoraStep(slots.ranks, slots.max_rank, slots.slot_stride)
+    step = NativeLoraStep(slots.ranks, slots.max_rank)
     for index, layer in layers:
         a = [slots.a16[index, fused] for fused in FUSED]
         bt = [slots.bt[index, fused] for fused in FUSED]

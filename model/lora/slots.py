@@ -13,7 +13,6 @@ choice (scheduler/runner/adapters.py); this table only holds tensors.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -51,7 +50,6 @@ class LoraSlots:
         # block-diagonal zeros; empty where no layer runs there.
         self.a16: dict[tuple[int, str], torch.Tensor] = {}
         self.bt: dict[tuple[int, str], torch.Tensor] = {}
-        self.slot_stride = 0  # elements from one slot's block of a16 and bt to the next's
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # each slot's largest rank
         for layer in range(config.n_layers):
             for fused, targets in FUSED.items():
@@ -83,26 +81,17 @@ class LoraSlots:
         (model/native/lora_update.c) reads them, B as [slots, rank, out], each output
         column under its own target's rank: row by row, without the block-diagonal zeros.
         bf16 since that layer's step is bound by the bytes it reads (its activations are
-        bf16 too); the PyTorch hooks keep reading the fp32 stacks. Each slot's copies of
-        every layer lie in one block, in the order a step reads them (layer by layer: Q/K/V,
-        O, gate/up, down, each A then B^T): one adapter's step streams one run of memory,
-        which steps read faster than the same bytes in 240 separate stacks
-        (docs/adapters.md, what it costs)."""
-        if self.bt:
-            return
+        bf16 too); the PyTorch hooks keep reading the fp32 stacks."""
         r = self.max_rank
-        shapes = {key: (tuple(self.a[key].shape[1:]), (r, b.shape[1])) for key, b in self.b.items()}
-        self.slot_stride = sum(math.prod(a) + math.prod(bt) for a, bt in shapes.values())
-        block = torch.zeros(self.max_loras, self.slot_stride, dtype=torch.bfloat16)
-        start = 0
-        for key, b in self.b.items():  # (layer, fused) in the order the layers read them
-            a16 = _view(block, start, shapes[key][0])
-            bt = _view(block, start + a16[0].numel(), shapes[key][1])
-            start += a16[0].numel() + bt[0].numel()
-            a16.copy_(self.a[key])
-            for index, (begin, end) in enumerate(self._out_offsets[key[1]]):
-                bt[:, :, begin:end] = b[:, begin:end, index * r : (index + 1) * r].transpose(1, 2)
-            self.a16[key], self.bt[key] = a16, bt
+        for key, b in self.b.items():
+            if key in self.bt:
+                continue
+            bt = torch.zeros(self.max_loras, r, b.shape[1], dtype=torch.bfloat16)
+            for index, (start, end) in enumerate(self._out_offsets[key[1]]):
+                block = b[:, start:end, index * r : (index + 1) * r]
+                bt[:, :, start:end] = block.transpose(1, 2).cpu()
+            self.bt[key] = bt
+            self.a16[key] = self.a[key].to(device="cpu", dtype=torch.bfloat16)
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Writes `adapter` into `slot`, replacing whatever was there."""
@@ -181,11 +170,6 @@ class LoraSlots:
                 out.add_(delta.to(out.dtype))
             else:
                 out.index_add_(0, index, delta.to(out.dtype))
-
-
-def _view(block: torch.Tensor, start: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """[slots, *shape] from `start` within each slot's row of `block`."""
-    return block[:, start : start + math.prod(shape)].unflatten(1, shape)
 
 
 def _offsets(sizes: list[int]) -> list[tuple[int, int]]:

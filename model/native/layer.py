@@ -142,9 +142,8 @@ class NativeDecoderLayer:
     def use_lora(self, a: list[torch.Tensor], bt: list[torch.Tensor], step: NativeLoraStep) -> None:
         """Adds the update of each adapter row after every projection: `a` and `bt` the
         resident slots' A and B^T stacks of Q/K/V, O, gate/up and down
-        (model/lora/slots.py's copies, bf16, each slot's contiguous, the slots `step`'s
-        slot stride apart), `step` the rows every layer reads."""
-        assert all(t.dtype == torch.bfloat16 and t[0].is_contiguous() for t in a + bt)
+        (model/lora/slots.py's copies, bf16 contiguous), `step` the rows every layer reads."""
+        assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in a + bt)
         # Referenced while the struct points into them; an earlier table's are let go.
         self._lora_tensors = [*a, *bt]
         self._step = step

@@ -19,29 +19,18 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 class _LoraStep(ctypes.Structure):
     """lora_step.h's `lora_step`: same fields, same order."""
 
-    _fields_ = [
-        ("row_slots", _PTR),
-        ("ranks", _PTR),
-        ("n_slots", _I64),
-        ("max_rank", _I64),
-        ("a_slot_stride", _I64),
-        ("bt_slot_stride", _I64),
-    ]
+    _fields_ = [("row_slots", _PTR), ("ranks", _PTR), ("n_slots", _I64), ("max_rank", _I64)]
 
 
 class NativeLoraStep:
     """What the C layers read of a step: each token row's slot (-1: the base alone) and
-    each slot's rank. `ranks` is the slots' own tensor, updated in place as adapters load.
-    `slot_stride`: elements from one slot's copies to the next's, for A and B^T alike (0:
-    each layer's stacks are dense)."""
+    each slot's rank. `ranks` is the slots' own tensor, updated in place as adapters load."""
 
-    def __init__(self, ranks: torch.Tensor, max_rank: int, slot_stride: int = 0) -> None:
+    def __init__(self, ranks: torch.Tensor, max_rank: int) -> None:
         assert ranks.dtype == torch.int64 and ranks.is_contiguous()
         self._ranks = ranks
         self._rows: torch.Tensor | None = None  # referenced while the C layers read it
-        self.struct = _LoraStep(
-            None, ranks.data_ptr(), ranks.numel(), max_rank, slot_stride, slot_stride
-        )
+        self.struct = _LoraStep(None, ranks.data_ptr(), ranks.numel(), max_rank)
         self.pointer = ctypes.addressof(self.struct)
 
     def begin(self, row_slots: torch.Tensor | None) -> None:

@@ -12,16 +12,11 @@ typedef struct {
                                  row of this step has an adapter */
     const int64_t *ranks;     /* [n_slots]: the largest rank of the adapter in each slot */
     int64_t n_slots, max_rank;
-    /* Elements from one slot's A (and B^T) to the next slot's: every slot holds all its
-     * layers' copies in one block (model/lora/slots.py), so one adapter's step reads one
-     * run of memory. 0: the stacks are dense, [n_targets * max_rank, k] and
-     * [max_rank, n_out] a slot. */
-    int64_t a_slot_stride, bt_slot_stride;
 } lora_step;
 
 /* y [rows, n_out] bf16 (contiguous), the base product of x [rows, k] (row stride
  * x_stride): each row of a slot >= 0 becomes bf16(y + bf16(x A^T B^T)) with its slot's A
- * [n_targets * max_rank, k] and B^T [max_rank, n_out] (slot 0's at `a` and `bt`) (model/lora/slots.py's copies, bf16,
+ * [n_targets * max_rank, k] and B^T [max_rank, n_out] (model/lora/slots.py's copies, bf16,
  * widened to fp32 as they are read, all sums in fp32; output columns split among the targets
  * by `sizes`). Rows of slot -1 are not touched.
  * Returns 0, or 2 when out of memory. */

@@ -134,8 +134,8 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, in
     const update w = {
         step, a, bt, x, y, sizes, order, first, slot, block_target, block_start,
         (float *)(block_start + blocks + 1),
-        step->a_slot_stride ? step->a_slot_stride : width * k,
-        step->bt_slot_stride ? step->bt_slot_stride : rank_max * n_out,
+        width * k,
+        rank_max * n_out,
         x_stride, width, n_out, k, groups, blocks,
     };
     if (groups > 0 && weights >= PARALLEL_WEIGHTS) {
