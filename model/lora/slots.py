@@ -65,6 +65,9 @@ class LoraSlots:
         self.groups: list[tuple[int, torch.Tensor | None]] = []
         self.row_slots: torch.Tensor | None = None  # each row's slot, for `kernel`
         self.cpu_row_slots: torch.Tensor | None = None  # each row's slot, int64, on the CPU
+        # The last step's key (slots, lengths, device) and its (groups, row_slots, cpu_row_slots).
+        self._last_key: tuple[object, ...] | None = None
+        self._last: tuple[list, torch.Tensor | None, torch.Tensor | None] = ([], None, None)
 
     @property
     def nbytes(self) -> int:
@@ -118,11 +121,24 @@ class LoraSlots:
     def begin(
         self, seq_slots: list[int] | None, query_lens: list[int], device: torch.device
     ) -> None:
-        """Groups this step's token rows by slot (-1: the base model alone)."""
+        """Groups this step's token rows by slot (-1: the base model alone). A step of the
+        same sequences' slots and lengths as the last one (decodes of an unchanged batch)
+        reuses its tensors: nothing writes them, and building them is a few torch calls a
+        step."""
+        if seq_slots is None:
+            self.groups = []
+            self.row_slots = self.cpu_row_slots = None
+            return
+        key = (tuple(seq_slots), tuple(query_lens), device)
+        if key != self._last_key:
+            self._group(seq_slots, query_lens, device)
+            self._last_key = key
+            self._last = (self.groups, self.row_slots, self.cpu_row_slots)
+        self.groups, self.row_slots, self.cpu_row_slots = self._last
+
+    def _group(self, seq_slots: list[int], query_lens: list[int], device: torch.device) -> None:
         self.groups = []
         self.row_slots = self.cpu_row_slots = None
-        if seq_slots is None:
-            return
         if self.kernel is not None or self.bt:
             lengths = torch.tensor(query_lens)
             slots = torch.repeat_interleave(torch.tensor(seq_slots, dtype=torch.int64), lengths)

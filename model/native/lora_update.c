@@ -59,6 +59,55 @@ static int64_t group_rows(const lora_step *step, int64_t rows, int64_t *order, i
     return groups;
 }
 
+/* What one call's passes read, for `passes`. */
+typedef struct {
+    const lora_step *step;
+    const uint16_t *a, *bt, *x;
+    uint16_t *y;
+    const int64_t *sizes, *order, *first, *slot, *block_target, *block_start;
+    float *u;
+    int64_t a_stride, bt_stride, x_stride, width, n_out, k, groups, blocks;
+} update;
+
+/* The two passes; their loops are shared among the team when called inside a parallel
+ * region, and run whole on the calling thread otherwise. */
+static void passes(const update *w) {
+    const lora_step *step = w->step;
+    const int64_t width = w->width, rank_max = step->max_rank, k = w->k, n_out = w->n_out;
+    /* The shrink: u[p, j] = x[order[p]] . A[slot, j], A's row j read once for its group. */
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < w->groups * width; item++) {
+        const int64_t g = item / width, j = item % width, s = w->slot[g];
+        if (j % rank_max >= step->ranks[s]) continue; /* zero padding: never read */
+        const uint16_t *a_row = w->a + s * w->a_stride + j * k;
+        for (int64_t p = w->first[g]; p < w->first[g + 1]; p++)
+            w->u[p * width + j] = dot(w->x + w->order[p] * w->x_stride, a_row, k);
+    }
+    /* The expand: y[order[p], c] += sum_j u[p, t R + j] B^T[slot, j, c], c in target t. */
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < w->groups * w->blocks; item++) {
+        const int64_t g = item / w->blocks, b = item % w->blocks, s = w->slot[g];
+        const int64_t t = w->block_target[b], c0 = w->block_start[b];
+        int64_t end = 0;
+        for (int64_t i = 0; i <= t; i++) end += w->sizes[i];
+        const int64_t n = end - c0 < COLUMNS ? end - c0 : COLUMNS, rank = step->ranks[s];
+        for (int64_t p = w->first[g]; p < w->first[g + 1]; p++) {
+            float acc[COLUMNS] = {0};
+            const float *up = w->u + p * width + t * rank_max;
+            for (int64_t j = 0; j < rank; j++) {
+                const uint16_t *b_row = w->bt + s * w->bt_stride + j * n_out + c0;
+                for (int64_t c = 0; c < n; c++) acc[c] += up[j] * from_bf16(b_row[c]);
+            }
+            uint16_t *out = w->y + w->order[p] * n_out + c0;
+            for (int64_t c = 0; c < n; c++)
+                out[c] = to_bf16(from_bf16(out[c]) + from_bf16(to_bf16(acc[c])));
+        }
+    }
+}
+
+/* int64 entries of a step's bookkeeping that live on the stack; more take one malloc. */
+#define ON_STACK 1024
+
 int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, int64_t n_targets,
                 const int64_t *sizes, const uint16_t *x, int64_t x_stride, uint16_t *y,
                 int64_t rows, int64_t n_out, int64_t k) {
@@ -66,17 +115,15 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, in
     const int64_t rank_max = step->max_rank, width = n_targets * rank_max;
     int64_t blocks = 0;
     for (int64_t t = 0; t < n_targets; t++) blocks += (sizes[t] + COLUMNS - 1) / COLUMNS;
-    int64_t *order = malloc(sizeof(int64_t) * rows);
-    int64_t *first = malloc(sizeof(int64_t) * (step->n_slots + 1));
-    int64_t *slot = malloc(sizeof(int64_t) * (step->n_slots + 1));
-    int64_t *block_target = malloc(sizeof(int64_t) * (blocks + 1));
-    int64_t *block_start = malloc(sizeof(int64_t) * (blocks + 1));
-    float *u = malloc(sizeof(float) * rows * (width > 0 ? width : 1));
-    int status = 2;
-    if (!order || !first || !slot || !block_target || !block_start || !u) goto done;
-    status = 0;
+    /* order, first, slot, block_target, block_start, then u (floats, in int64 units) */
+    const int64_t u_words = (rows * (width > 0 ? width : 1) + 1) / 2;
+    const int64_t words = rows + 2 * (step->n_slots + 1) + 2 * (blocks + 1) + u_words;
+    int64_t stack[ON_STACK];
+    int64_t *words_at = words <= ON_STACK ? stack : malloc(sizeof(int64_t) * words);
+    if (words_at == NULL) return 2;
+    int64_t *order = words_at, *first = order + rows, *slot = first + step->n_slots + 1;
+    int64_t *block_target = slot + step->n_slots + 1, *block_start = block_target + blocks + 1;
     const int64_t groups = group_rows(step, rows, order, first, slot);
-    if (groups == 0) goto done;
     for (int64_t t = 0, b = 0, offset = 0; t < n_targets; offset += sizes[t++])
         for (int64_t c = 0; c < sizes[t]; c += COLUMNS, b++) {
             block_target[b] = t;
@@ -84,44 +131,19 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, in
         }
     int64_t weights = 0;
     for (int64_t g = 0; g < groups; g++) weights += step->ranks[slot[g]] * (n_targets * k + n_out);
-#pragma omp parallel if (weights >= PARALLEL_WEIGHTS)
-    {
-        /* The shrink: u[p, j] = x[order[p]] . A[slot, j], A's row j read once for its group. */
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < groups * width; item++) {
-            const int64_t g = item / width, j = item % width, s = slot[g];
-            if (j % rank_max >= step->ranks[s]) continue; /* zero padding: never read */
-            const uint16_t *a_row = a + (s * width + j) * k;
-            for (int64_t p = first[g]; p < first[g + 1]; p++)
-                u[p * width + j] = dot(x + order[p] * x_stride, a_row, k);
-        }
-        /* The expand: y[order[p], c] += sum_j u[p, t R + j] B^T[slot, j, c], c in target t. */
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < groups * blocks; item++) {
-            const int64_t g = item / blocks, b = item % blocks, s = slot[g];
-            const int64_t t = block_target[b], c0 = block_start[b];
-            int64_t end = 0;
-            for (int64_t i = 0; i <= t; i++) end += sizes[i];
-            const int64_t n = end - c0 < COLUMNS ? end - c0 : COLUMNS, rank = step->ranks[s];
-            for (int64_t p = first[g]; p < first[g + 1]; p++) {
-                float acc[COLUMNS] = {0};
-                const float *up = u + p * width + t * rank_max;
-                for (int64_t j = 0; j < rank; j++) {
-                    const uint16_t *b_row = bt + (s * rank_max + j) * n_out + c0;
-                    for (int64_t c = 0; c < n; c++) acc[c] += up[j] * from_bf16(b_row[c]);
-                }
-                uint16_t *out = y + order[p] * n_out + c0;
-                for (int64_t c = 0; c < n; c++)
-                    out[c] = to_bf16(from_bf16(out[c]) + from_bf16(to_bf16(acc[c])));
-            }
-        }
+    const update w = {
+        step, a, bt, x, y, sizes, order, first, slot, block_target, block_start,
+        (float *)(block_start + blocks + 1),
+        width * k,
+        rank_max * n_out,
+        x_stride, width, n_out, k, groups, blocks,
+    };
+    if (groups > 0 && weights >= PARALLEL_WEIGHTS) {
+#pragma omp parallel
+        passes(&w);
+    } else if (groups > 0) {
+        passes(&w); /* without waking the team */
     }
-done:
-    free(order);
-    free(first);
-    free(slot);
-    free(block_target);
-    free(block_start);
-    free(u);
-    return status;
+    if (words_at != stack) free(words_at);
+    return 0;
 }
