@@ -1,5 +1,5 @@
 /* A mixture of experts' router and whole FFN in C (model/native/moe.py): the post-attention
- * RMSNorm, the router's logits, a softmax in fp32, the top k experts in torch.topk's order
+ * RMSNorm, the router's logits, a softmax in fp32, the top k experts, ties in index order
  * (topk_select.c), their weights renormalised where the family does (Qwen3-MoE's
  * norm_topk_prob, gpt-oss), then the experts (moe_experts.c). The C decoder layer calls
  * `moe_layer_bf16` after attention, so a decode step makes one call a layer.
@@ -8,8 +8,8 @@
  * bf16 linear layer; gpt-oss's bias is added before that one rounding), the softmax and
  * renormalisation in fp32, the weights to bf16. The logits' sums run in another order than
  * PyTorch's product, so a logit can land one bf16 step away where the exact sum sits near a
- * rounding boundary; equal logits give equal probabilities, and ties pick what torch.topk
- * picks.
+ * rounding boundary; equal logits give equal probabilities, and a tie picks the lower index,
+ * as the PyTorch router does.
  */
 #include <math.h>
 #include <stdint.h>

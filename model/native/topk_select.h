@@ -1,4 +1,4 @@
-/* torch.topk's order of the top k of n values, ties included (topk_select.c). */
+/* The top k of n values, the greatest first, ties in index order (topk_select.c). */
 #ifndef LLAMASERVE_TOPK_SELECT_H
 #define LLAMASERVE_TOPK_SELECT_H
 
@@ -10,7 +10,7 @@ typedef struct {
     int64_t index;
 } topk_pair;
 
-/* work [n]: receives the n (value, index) pairs, the top k first in torch.topk's order. */
+/* work [k]: receives the top k (value, index) pairs in that order (k <= n). */
 void topk_select(const float *values, int64_t n, int64_t k, topk_pair *work);
 
 #endif

@@ -152,13 +152,18 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k]), as transformers routes: the
-        logits in the activations' dtype, softmax and renormalisation in fp32."""
+        logits in the activations' dtype, softmax and renormalisation in fp32; of equal
+        probabilities the lower expert index first."""
         bias = self.router.bias
         logits = F.linear(
             x, self.router.weight.to(x.dtype), None if bias is None else bias.to(x.dtype)
         )
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        # The greatest first, ties in index order: the C router's rule (topk_select.c). Ties
+        # are common once logits are rounded to bf16, and torch.topk leaves their order to
+        # its sort's internals.
+        weights, ids = torch.sort(probs, dim=-1, descending=True, stable=True)
+        weights, ids = weights[..., : self.top_k], ids[..., : self.top_k]
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return weights.to(x.dtype), ids
