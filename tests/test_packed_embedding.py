@@ -3,6 +3,13 @@
 the rows it looks up equal the `gguf` package's own dequantisation of the whole table, and
 the model's logits equal those of the same weights loaded as a dense table."""
 
+import ctypes
+import ctypes.util
+import gc
+import mmap
+import os
+import time
+
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFReader
@@ -39,3 +46,44 @@ def test_rows_equal_the_dequantised_table(tmp_path, qtype, monkeypatch) -> None:
         cache = PagedKVCache.allocate(m.config, 4, 16)
         logits.append(m(Batch.build([prompt], [0], [[0]], 16, "cpu", all_logits=True), cache))
     assert torch.equal(*logits)
+
+
+def resident_pages(address: int, length: int) -> list[bool]:
+    """mincore(2) over [address, address + length): which pages are in memory."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    start = address - address % mmap.PAGESIZE
+    pages = (address + length - start + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(ctypes.c_void_p(start), address + length - start, vec) == 0
+    return [bool(v & 1) for v in vec]
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
+def test_the_table_is_read_ahead_at_load(tmp_path) -> None:
+    """A row read from disk in a decode step held the step for tens to hundreds of ms: the
+    table's pages are in the page cache once it is built, before any row is looked up."""
+    hf = make_tiny("qwen3", tmp_path)
+    path = write_gguf(
+        hf,
+        "qwen3",
+        tmp_path,
+        tmp_path / "e.gguf",
+        types={"token_embd.weight": GGMLQuantizationType.Q8_0},
+    )
+    reader = GGUFReader(path)
+    stored = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    offset, dim = int(stored.data_offset), int(stored.shape[0])
+    del reader, stored  # its memory map would keep the file's pages cached
+    gc.collect()
+    with open(path, "rb") as f:  # the file's clean pages out of the page cache
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    embedding = PackedEmbedding(path, offset, 512, dim, GGMLQuantizationType.Q8_0, torch.float32)
+    table = embedding.table
+    deadline = time.monotonic() + 5  # the read-ahead runs in the background
+    while not all(resident := resident_pages(table.data_ptr(), table.nbytes)):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
+    assert all(resident), f"{resident.count(False)} of {len(resident)} pages not resident"

@@ -7,6 +7,12 @@ Here the table is the file's own bytes, memory-mapped as llama.cpp maps them: on
 pages of rows ever looked up become resident, and a row comes out exactly as dequantising
 the whole table would have given it (model/checkpoint/dequant.py). The file must not change
 while the model runs.
+
+The table's pages are asked into the page cache at load (MADV_WILLNEED, read ahead in the
+background), not when a token first needs its row: a row read from disk in the middle of a
+decode step held that step, and every stream in it, for 50-670 ms (one stream on a
+Qwen3-30B-A3B-shape GGUF, inter-token p50 20 ms). The pages count in the page cache, not in
+the process's resident memory, until a row is looked up.
 """
 
 from __future__ import annotations
@@ -20,6 +26,16 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from model.checkpoint.dequant import dequantize
+
+
+def read_ahead(buffer: mmap.mmap, offset: int, length: int) -> bool:
+    """Asks the kernel to read `length` bytes from `offset` of a file's mapping into the
+    page cache now; False where the platform has no madvise (nothing else changes)."""
+    if not hasattr(mmap, "MADV_WILLNEED") or length <= 0:
+        return False
+    start = offset - offset % mmap.PAGESIZE
+    buffer.madvise(mmap.MADV_WILLNEED, start, min(offset + length, len(buffer)) - start)
+    return True
 
 
 class PackedEmbedding(nn.Module):
@@ -44,6 +60,7 @@ class PackedEmbedding(nn.Module):
                 self._map, dtype=torch.uint8, count=rows * row_bytes, offset=offset
             )
         self.table = table.view(rows, row_bytes)
+        read_ahead(self._map, offset, rows * row_bytes)
 
     @property
     def num_embeddings(self) -> int:
