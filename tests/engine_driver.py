@@ -2,7 +2,11 @@
 
 from dataclasses import dataclass, field
 
+from model.greedy import greedy_tokens
+from model.loader import LoadedModel
+from scheduler.config import EngineConfig
 from scheduler.engine.engine import Engine
+from scheduler.engine.factory import create_engine
 from scheduler.lora_request import LoraRequest
 from scheduler.request import RequestOutput
 from scheduler.sampling_params import SamplingParams
@@ -44,3 +48,27 @@ def run_engine(
     else:
         raise AssertionError("engine did not finish")
     return results, preemptions
+
+
+def assert_batch_invariant(
+    loaded: LoadedModel, texts: list[list[int]], max_tokens: int, kv_tokens: int, label: str = ""
+) -> None:
+    """Each prompt's greedy tokens alone equal what it gets among the others: crowded, its
+    prompt fed in 7-token chunks, and preempted (a cache of `kv_tokens` tokens)."""
+    stop = loaded.tokenizer.stop_ids
+    c = loaded.model.config
+    token_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * loaded.model.dtype.itemsize
+    alone = [list(greedy_tokens(loaded.model, ids, max_tokens, stop)) for ids in texts]
+    scenarios = {
+        "crowded": {},
+        "chunked_prefill": {"max_num_batched_tokens": 7},
+        "preemption": {"kv_cache_memory": kv_tokens * token_bytes},
+    }
+    for scenario, kwargs in scenarios.items():
+        engine = create_engine(loaded.model, loaded.tokenizer, EngineConfig(**kwargs))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+        requests = {f"r{i}": (ids, params) for i, ids in enumerate(texts)}
+        results, preemptions = run_engine(engine, requests)
+        assert preemptions > 0 or scenario != "preemption", label
+        for i in range(len(texts)):
+            assert results[(f"r{i}", 0)].token_ids == alone[i], (label, scenario, i)

@@ -11,14 +11,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from model.checkpoint import gguf_weights
-from model.greedy import greedy_tokens
 from model.loader import load_model
 from model.network.batch import Batch
 from model.network.paged_cache import PagedKVCache
-from scheduler.config import EngineConfig
-from scheduler.engine.factory import create_engine
-from scheduler.sampling_params import SamplingParams
-from tests.engine_driver import run_engine
+from tests.engine_driver import assert_batch_invariant
 from tests.tiny_families import make_tiny, write_gguf
 
 BLOCK = 4
@@ -152,21 +148,5 @@ def test_greedy_output_is_batch_invariant(checkpoint) -> None:
     name, _, directory, gguf = checkpoint
     loaded = load_model(gguf, dtype=torch.float32, progress=False)
     texts = prompts(6, seed=3) + prompts(6, seed=4)
-    stop = loaded.tokenizer.stop_ids
-    c = loaded.model.config
-    token_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 4
-    alone = [list(greedy_tokens(loaded.model, ids, 16, stop)) for ids in texts]
-    scenarios = {
-        "crowded": {},
-        "chunked_prefill": {"max_num_batched_tokens": 7},
-        # Room for about a third of the requests' 500 tokens at once.
-        "preemption": {"kv_cache_memory": 160 * token_bytes},
-    }
-    for scenario, kwargs in scenarios.items():
-        engine = create_engine(loaded.model, loaded.tokenizer, EngineConfig(**kwargs))
-        params = SamplingParams(max_tokens=16, temperature=0.0)
-        requests = {f"r{i}": (ids, params) for i, ids in enumerate(texts)}
-        results, preemptions = run_engine(engine, requests)
-        assert preemptions > 0 or scenario != "preemption"
-        for i in range(len(texts)):
-            assert results[(f"r{i}", 0)].token_ids == alone[i], (name, scenario, i)
+    # A cache of 160 tokens: room for about a third of the requests' 500 at once.
+    assert_batch_invariant(loaded, texts, 16, kv_tokens=160, label=name)

@@ -13,15 +13,11 @@ import shutil
 import pytest
 import torch
 
-from model.greedy import greedy_tokens
 from model.loader import load_model
 from model.native.build import load_library
 from model.native.ops import NativeRmsNorm
 from model.network.decoder_layer import RMSNorm, _native_weight
-from scheduler.config import EngineConfig
-from scheduler.engine.factory import create_engine
-from scheduler.sampling_params import SamplingParams
-from tests.engine_driver import run_engine
+from tests.engine_driver import assert_batch_invariant
 from tests.test_families import prompts
 from tests.test_moe_native import DIM, EXPERTS, quantised_moe
 from tests.tiny_families import make_tiny, write_gguf
@@ -116,20 +112,4 @@ def test_greedy_output_on_the_c_router_is_batch_invariant(tmp_path) -> None:
         gguf, dtype="bfloat16", quantization="int8g", progress=False, attention_backend="cpu_paged"
     )
     assert all(layer.native.moe is not None for layer in loaded.model.layers if layer.moe)
-    texts, stop = prompts(6, seed=3), loaded.tokenizer.stop_ids
-    c = loaded.model.config
-    token_bytes = c.n_layers * 2 * c.n_kv_heads * c.head_dim * 2
-    alone = [list(greedy_tokens(loaded.model, ids, 12, stop)) for ids in texts]
-    scenarios = {
-        "crowded": {},
-        "chunked_prefill": {"max_num_batched_tokens": 7},
-        "preemption": {"kv_cache_memory": 96 * token_bytes},
-    }
-    for scenario, kwargs in scenarios.items():
-        engine = create_engine(loaded.model, loaded.tokenizer, EngineConfig(**kwargs))
-        params = SamplingParams(max_tokens=12, temperature=0.0)
-        requests = {f"r{i}": (ids, params) for i, ids in enumerate(texts)}
-        results, preemptions = run_engine(engine, requests)
-        assert preemptions > 0 or scenario != "preemption"
-        for i in range(len(texts)):
-            assert results[(f"r{i}", 0)].token_ids == alone[i], (scenario, i)
+    assert_batch_invariant(loaded, prompts(6, seed=3), 12, kv_tokens=96)
