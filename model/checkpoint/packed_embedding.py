@@ -30,11 +30,15 @@ from model.checkpoint.dequant import dequantize
 
 def read_ahead(buffer: mmap.mmap, offset: int, length: int) -> bool:
     """Asks the kernel to read `length` bytes from `offset` of a file's mapping into the
-    page cache now; False where the platform has no madvise (nothing else changes)."""
+    page cache now; False where the platform has no madvise or the kernel refused the
+    advice (nothing else changes)."""
     if not hasattr(mmap, "MADV_WILLNEED") or length <= 0:
         return False
     start = offset - offset % mmap.PAGESIZE
-    buffer.madvise(mmap.MADV_WILLNEED, start, min(offset + length, len(buffer)) - start)
+    try:
+        buffer.madvise(mmap.MADV_WILLNEED, start, min(offset + length, len(buffer)) - start)
+    except OSError:  # advice only: rows are then read as they are first looked up
+        return False
     return True
 
 
