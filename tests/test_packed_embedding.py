@@ -3,10 +3,7 @@
 the rows it looks up equal the `gguf` package's own dequantisation of the whole table, and
 the model's logits equal those of the same weights loaded as a dense table."""
 
-import ctypes
-import ctypes.util
 import gc
-import mmap
 import os
 import time
 
@@ -20,6 +17,7 @@ from model.checkpoint.packed_embedding import PackedEmbedding
 from model.loader import load_model
 from model.network.batch import Batch
 from model.network.paged_cache import PagedKVCache
+from tests.residency import resident_pages
 from tests.tiny_families import make_tiny, write_gguf
 
 
@@ -46,17 +44,6 @@ def test_rows_equal_the_dequantised_table(tmp_path, qtype, monkeypatch) -> None:
         cache = PagedKVCache.allocate(m.config, 4, 16)
         logits.append(m(Batch.build([prompt], [0], [[0]], 16, "cpu", all_logits=True), cache))
     assert torch.equal(*logits)
-
-
-def resident_pages(address: int, length: int) -> list[bool]:
-    """mincore(2) over [address, address + length): which pages are in memory."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    start = address - address % mmap.PAGESIZE
-    pages = (address + length - start + mmap.PAGESIZE - 1) // mmap.PAGESIZE
-    vec = (ctypes.c_ubyte * pages)()
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert libc.mincore(ctypes.c_void_p(start), address + length - start, vec) == 0
-    return [bool(v & 1) for v in vec]
 
 
 @pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="needs posix_fadvise")
