@@ -94,6 +94,33 @@ def test_the_c_kernel_gives_the_dequantised_product_row_by_row(isa: str) -> None
             assert torch.equal(kernel(xb[row : row + 1].clone(), raw, OUT)[0], batch[row])
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_rows_are_the_same_on_every_tile_of_the_loop(isa: str) -> None:
+    """bf16 rows take, by their count, a block decoded in registers (one or two rows) or a
+    buffer of four decoded columns shared by three rows at a time, tiles of 32 rows, a
+    remainder of columns, an odd count of blocks, and two columns whose scales put their
+    weights below bf16's normal range (summed unscaled there): every row equals itself
+    alone, bit for bit, and the dequantised product within fp32 rounding."""
+    kernel = NativeMxfp4Matmul(library_at(isa))
+    out, width = 15, 160  # 3 groups of 4 columns and 3 more; 5 blocks a row
+    raw = random_blocks(out, width, seed=7)
+    raw.view(out, -1, 17)[6, :, 0] = 1  # 2^-127: weights below bf16's normal range
+    raw.view(out, -1, 17)[13, :, 0] = 0
+    w = dequantize_rows(raw, width)
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(37, width, generator=g) * torch.exp2(
+        torch.randint(-8, 8, (37, width), generator=g)
+    )
+    x = x.bfloat16()
+    exact = x.double() @ w.double().T
+    got = kernel(x, raw, out)
+    assert ((got.double() - exact).abs() <= exact.abs() * 2.0**-8 + bound(x, w) * 2).all()
+    alone = torch.cat([kernel(x[r : r + 1].clone(), raw, out) for r in range(37)])
+    assert torch.equal(got, alone)
+    for rows in (2, 3, 4, 7):
+        assert torch.equal(kernel(x[:rows].clone(), raw, out), alone[:rows]), rows
+
+
 def test_the_triton_kernel_gives_the_dequantised_product() -> None:
     pytest.importorskip("triton")
     from model.quant.mxfp4_triton import mxfp4_matmul

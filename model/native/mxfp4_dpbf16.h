@@ -1,21 +1,26 @@
 /* mxfp4_matmul.c's loop for bf16 rows with AVX-512 BF16 and VBMI (the C decoder layer's and
- * experts' calls): a block's 32 nibbles become 32 bf16 E2M1 values in three instructions,
- * summed against x by one dpbf16 a row, the block's scale applied once to that sum.
+ * experts' calls): a block's 32 nibbles become 32 bf16 weights, its scale included, in
+ * three instructions, summed against x by one dpbf16 a row.
  *
- * The fp32 loop spends two vpermps, two multiplies by the scale and two FMAs on each block
- * of a row; at one row (a decode's experts) that compute, not memory, bounded it. Here:
- * the block's 16 bytes broadcast to the four 128-bit lanes, vpmultishiftqb puts one
- * nibble in each byte (the nibble of both bytes of a bf16 lane), a ternary logic keeps the
- * nibble and tells the high byte from the low one, and vpermb looks both bytes up in one
- * 32-byte table. The weights then lie in another order than K's (ORDER below), so each
- * row of x is put in that order once per call, for all the columns.
+ * Decoding: the block's 16 bytes broadcast to the four 128-bit lanes, vpmultishiftqb puts
+ * one nibble in each byte (the nibble of both bytes of a bf16 lane), a ternary logic keeps
+ * the nibble and tells the high byte from the low one, and vpermb looks both bytes up in
+ * the 32-byte table of the block's scale byte (BH_SCALED). The weights then lie in another
+ * order than K's (ORDER below), so each row of x is put in that order once per call.
  *
- * Exactness: an E2M1 value doubled (0, 1, 2, 3, 4, 6, 8 or 12) is exact in bf16, and so is
- * a bf16 x: their product is exact in fp32 and dpbf16 sums it in fp32; the block's sum is
- * multiplied by 2^(e - 128) (exact) and added to the row's total. The result is the
- * dequantised weight's product within fp32 rounding of the sums (dpbf16 treats bf16
- * subnormals, below 1.2e-38, as zero). Each row is summed alone, in the same order
- * whatever the number of rows. Included by mxfp4_matmul.c alone. */
+ * Prefill: dpbf16 (one a cycle) bounds the loop once a block's decoding is shared by
+ * enough rows, so a tile of rows decodes four columns once into a buffer and passes over
+ * it three rows by four columns at a time (bh_tile). At one row (a decode) a block is
+ * decoded in registers and used at once.
+ *
+ * Exactness: an E2M1 value doubled (0, 1, 2, 3, 4, 6, 8 or 12) times the scale 2^(e - 128)
+ * is exact in bf16 for scales in [BH_EXACT_MIN, BH_EXACT_MAX], and so is a bf16 x: their
+ * product is exact in fp32 and dpbf16 sums it in fp32. The result is the dequantised
+ * weight's product within fp32 rounding of the sums (dpbf16 treats bf16 subnormals, below
+ * 1.2e-38, as zero); a column with a scale outside that range (no trained weight has one)
+ * is summed by bh_exact_total instead. Each row is summed alone, in the same order
+ * whatever the number of rows and whichever path it takes. Included by mxfp4_matmul.c
+ * alone. */
 #ifndef LLAMASERVE_MXFP4_DPBF16_H
 #define LLAMASERVE_MXFP4_DPBF16_H
 
@@ -26,13 +31,43 @@
 #include "bf16.h"
 #include "mxfp4_block.h"
 
-/* Rows per pass over a column's blocks (their totals in registers: two each). */
-#define BH_ROWS 8
+/* Columns decoded together into a buffer of bf16 weights (4 x 2880 weights: 23 KB, within
+ * L1), and the rows a pass over that buffer multiplies by all of them, their totals in
+ * registers (two a row and column: even and odd blocks, so that the chains of dpbf16
+ * overlap). A tile of fewer rows decodes each block in registers instead, one column at a
+ * time: at one row (a decode's experts) that streams the weights as fast as memory gives
+ * them, where the buffer's store and reload cost 15-20% more (and interleaving the
+ * columns twice that). */
+#define BH_COLS 4
+#define BH_ROWS 3
+#define BH_AHEAD 2048 /* bytes of a column's blocks prefetched ahead of their decoding */
 
 /* bf16 of the doubled E2M1 values: the low bytes (entries 0-15), then the high ones. */
 static const uint8_t BH_TABLE[64] = {
     0x00, 0x80, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x40, 0x00, 0x80, 0x00, 0x40, 0x80, 0xC0, 0x00, 0x40,
     0x00, 0x3F, 0x40, 0x40, 0x40, 0x40, 0x41, 0x41, 0x00, 0xBF, 0xC0, 0xC0, 0xC0, 0xC0, 0xC1, 0xC1};
+
+/* The same table per scale byte e, each value times 2^(e - 128): exact in bf16 (a power of
+ * two only moves the exponent) for e in [BH_EXACT_MIN, BH_EXACT_MAX], where the smallest
+ * nonzero value (1 x 2^-126) stays normal and the largest (12 x 2^124) finite. A block's
+ * scale then costs no instruction at all: dpbf16 sums its scaled products straight into
+ * the row's total. 32 bytes a scale (a 64-byte load reads the next scale's table too, whose
+ * entries no index reaches). Filled once, when the library is loaded. */
+#define BH_EXACT_MIN 2
+#define BH_EXACT_MAX 252
+static uint8_t BH_SCALED[256 * 64] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void bh_fill_scaled(void) {
+    for (int e = 0; e < 256; e++)
+        for (int j = 0; j < 16; j++) {
+            const uint16_t lo = BH_TABLE[j], hi = BH_TABLE[16 + j];
+            const float value = from_bf16((uint16_t)(hi << 8 | lo)) * half_scale((uint8_t)e);
+            uint32_t bits;
+            memcpy(&bits, &value, sizeof bits);
+            BH_SCALED[e * 64 + j] = (uint8_t)(bits >> 16);
+            BH_SCALED[e * 64 + 16 + j] = (uint8_t)(bits >> 24);
+        }
+}
 
 /* Lane p (0-31) of the decoded block holds weight ORDER[p]: quadword q takes the bytes of
  * the block's half q % 2 (8 bytes: weights 8 (q % 2) + j, low nibble, and that + 16,
@@ -54,58 +89,152 @@ static const uint8_t NIBBLE_OFFSETS[64] = {
     48, 48, 56, 56, 52, 52, 60, 60,
 };
 
-/* One block of `rows` rows (x in ORDER, k apart) added into `total`, a total per row. */
-static inline __attribute__((always_inline)) void bh_block(const uint16_t *xo, int64_t k,
-                                                           const uint8_t *block, const float *scales,
-                                                           __m512 *total, const int rows) {
+/* A block's 32 weights as bf16 in ORDER, looked up in `table`: (nibble & 15) | 16 in the
+ * high byte of each lane (0xEA is (A & B) | C), vpermb for both bytes. */
+static inline __attribute__((always_inline)) __m512bh bh_decode(const uint8_t *block,
+                                                                __m512i offsets,
+                                                                const uint8_t *table) {
     const __m512i bytes = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)(block + 1)));
-    /* (nibble & 15) | 16 in high bytes: 0xEA is (A & B) | C. */
-    const __m512i index = _mm512_ternarylogic_epi32(
-        _mm512_multishift_epi64_epi8(_mm512_loadu_si512(NIBBLE_OFFSETS), bytes),
-        _mm512_set1_epi8(0x0F), _mm512_set1_epi16(0x1000), 0xEA);
-    const __m512bh wv = (__m512bh)_mm512_permutexvar_epi8(index, _mm512_loadu_si512(BH_TABLE));
-    const __m512 scale = _mm512_set1_ps(scales[block[0]]);
-    for (int m = 0; m < rows; m++) {
-        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xo + m * k);
-        total[m] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, wv), scale, total[m]);
+    const __m512i index = _mm512_ternarylogic_epi32(_mm512_multishift_epi64_epi8(offsets, bytes),
+                                                    _mm512_set1_epi8(0x0F),
+                                                    _mm512_set1_epi16(0x1000), 0xEA);
+    return (__m512bh)_mm512_permutexvar_epi8(index, _mm512_loadu_si512(table));
+}
+
+/* One (row, column) total as the loop before the scaled tables summed it: each block's
+ * products by one dpbf16, that sum times the block's scale. For a column with a scale
+ * outside the tables' exact range (no trained weight has one: its values would lie below
+ * 1e-38 or above 1e38). */
+static float bh_exact_total(const uint16_t *xo, const uint8_t *w, int64_t blocks) {
+    const __m512i offsets = _mm512_loadu_si512(NIBBLE_OFFSETS);
+    __m512 total = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = w + b * MX_BYTES;
+        const __m512bh wv = bh_decode(block, offsets, BH_TABLE);
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xo + b * MX_BLOCK);
+        total = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xv, wv),
+                                _mm512_set1_ps(half_scale(block[0])), total);
+    }
+    return _mm512_reduce_add_ps(total);
+}
+
+/* A column's blocks decoded, scale included, into `out` [blocks][32] bf16 (in ORDER).
+ * Returns whether a scale lies outside the tables' exact range. */
+static int bh_decode_column(const uint8_t *w, int64_t blocks, uint16_t *out) {
+    const __m512i offsets = _mm512_loadu_si512(NIBBLE_OFFSETS);
+    unsigned outside = 0;
+    for (int64_t b = 0; b < blocks; b++) {
+        const uint8_t *block = w + b * MX_BYTES;
+        _mm_prefetch((const char *)block + BH_AHEAD, _MM_HINT_T0);
+        outside |= (uint8_t)(block[0] - BH_EXACT_MIN) > BH_EXACT_MAX - BH_EXACT_MIN;
+        _mm512_storeu_si512(out + b * MX_BLOCK,
+                            (__m512i)bh_decode(block, offsets, BH_SCALED + block[0] * 64));
+    }
+    return outside != 0;
+}
+
+/* Block b's weights of `cols` columns: decoded in `wd` (k apart), or with wd NULL decoded
+ * here from `w` (row_bytes apart), `outside` noting a scale outside the exact range. */
+static inline __attribute__((always_inline)) void bh_weights(const uint16_t *wd, const uint8_t *w,
+                                                             int64_t k, int64_t row_bytes,
+                                                             int64_t b, __m512i offsets,
+                                                             __m512bh *wv, unsigned *outside,
+                                                             const int cols) {
+    for (int c = 0; c < cols; c++) {
+        if (wd != NULL) {
+            wv[c] = (__m512bh)_mm512_loadu_si512(wd + c * k + b * MX_BLOCK);
+        } else {
+            const uint8_t *block = w + c * row_bytes + b * MX_BYTES;
+            outside[c] |= (uint8_t)(block[0] - BH_EXACT_MIN) > BH_EXACT_MAX - BH_EXACT_MIN;
+            wv[c] = bh_decode(block, offsets, BH_SCALED + block[0] * 64);
+        }
     }
 }
 
-/* `rows` rows of x against one column's weight row: two totals a row (even and odd
- * blocks, so that two chains of FMAs overlap), added and rounded to bf16 at the end. */
-static inline __attribute__((always_inline)) void bh_column_rows(
-    const uint16_t *xo, int64_t k, const uint8_t *w, int64_t blocks, const float *scales,
-    uint16_t *y, int64_t y_stride, const int rows) {
-    __m512 even[BH_ROWS], odd[BH_ROWS];
-    for (int m = 0; m < rows; m++) even[m] = odd[m] = _mm512_setzero_ps();
+/* One block of `rows` rows (x at xb, k apart) against `cols` weights, into `total`. */
+static inline __attribute__((always_inline)) void bh_step(const uint16_t *xb, int64_t k,
+                                                          const __m512bh *wv,
+                                                          __m512 total[][BH_COLS],
+                                                          const int rows, const int cols) {
+    for (int m = 0; m < rows; m++) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + m * k);
+        for (int c = 0; c < cols; c++) total[m][c] = _mm512_dpbf16_ps(total[m][c], xv, wv[c]);
+    }
+}
+
+/* `rows` rows of x (in ORDER, k apart) against `cols` columns (bh_weights' sources): one
+ * total a (row, column) for its even blocks and one for its odd ones, each summed in order
+ * by one dpbf16 a block, the scale in the weights; the two added and rounded to bf16 once.
+ * The same instructions in the same order for every (row, column), whatever `rows` and
+ * `cols` are and whichever source the weights come from: a row's result does not depend
+ * on its neighbours. */
+static inline __attribute__((always_inline)) void bh_tile(
+    const uint16_t *xo, const uint16_t *wd, const uint8_t *w, int64_t k, int64_t row_bytes,
+    uint16_t *y, int64_t y_stride, unsigned *outside, const int rows, const int cols) {
+    const __m512i offsets = _mm512_loadu_si512(NIBBLE_OFFSETS);
+    const int64_t blocks = k / MX_BLOCK;
+    __m512 even[BH_ROWS][BH_COLS], odd[BH_ROWS][BH_COLS];
+    __m512bh wv[BH_COLS];
+    for (int m = 0; m < rows; m++)
+        for (int c = 0; c < cols; c++) even[m][c] = odd[m][c] = _mm512_setzero_ps();
     int64_t b = 0;
     for (; b + 1 < blocks; b += 2) {
-        bh_block(xo + b * MX_BLOCK, k, w + b * MX_BYTES, scales, even, rows);
-        bh_block(xo + (b + 1) * MX_BLOCK, k, w + (b + 1) * MX_BYTES, scales, odd, rows);
+        bh_weights(wd, w, k, row_bytes, b, offsets, wv, outside, cols);
+        bh_step(xo + b * MX_BLOCK, k, wv, even, rows, cols);
+        bh_weights(wd, w, k, row_bytes, b + 1, offsets, wv, outside, cols);
+        bh_step(xo + (b + 1) * MX_BLOCK, k, wv, odd, rows, cols);
     }
-    if (b < blocks) bh_block(xo + b * MX_BLOCK, k, w + b * MX_BYTES, scales, even, rows);
+    if (b < blocks) {
+        bh_weights(wd, w, k, row_bytes, b, offsets, wv, outside, cols);
+        bh_step(xo + b * MX_BLOCK, k, wv, even, rows, cols);
+    }
     for (int m = 0; m < rows; m++)
-        y[m * y_stride] = to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(even[m], odd[m])));
+        for (int c = 0; c < cols; c++)
+            y[m * y_stride + c] =
+                to_bf16(_mm512_reduce_add_ps(_mm512_add_ps(even[m][c], odd[m][c])));
 }
 
-/* Rows first..end against one column, BH_ROWS at a time. */
-static void bh_column(const uint16_t *xo, int64_t k, const uint8_t *wn, int64_t blocks,
-                      const float *scales, uint16_t *y, int64_t n_out, int64_t first,
-                      int64_t end) {
+/* Rows first..end against the BH_COLS columns decoded in `wd`, BH_ROWS rows at a time. */
+static void bh_decoded_rows(const uint16_t *xo, const uint16_t *wd, int64_t k, uint16_t *y,
+                            int64_t n_out, int64_t first, int64_t end) {
     for (int64_t m0 = first; m0 < end; m0 += BH_ROWS) {
         const uint16_t *xm = xo + m0 * k;
         uint16_t *ym = y + m0 * n_out;
         switch (end - m0 < BH_ROWS ? end - m0 : BH_ROWS) {
-        case 1: bh_column_rows(xm, k, wn, blocks, scales, ym, n_out, 1); break;
-        case 2: bh_column_rows(xm, k, wn, blocks, scales, ym, n_out, 2); break;
-        case 3: bh_column_rows(xm, k, wn, blocks, scales, ym, n_out, 3); break;
-        case 4: bh_column_rows(xm, k, wn, blocks, scales, ym, n_out, 4); break;
-        case 5: bh_column_rows(xm, k, wn, blocks, scales, ym, n_out, 5); break;
-        case 6: bh_column_rows(xm, k, wn, blocks, scales, ym, n_out, 6); break;
-        case 7: bh_column_rows(xm, k, wn, blocks, scales, ym, n_out, 7); break;
-        default: bh_column_rows(xm, k, wn, blocks, scales, ym, n_out, BH_ROWS);
+        case 1: bh_tile(xm, wd, NULL, k, 0, ym, n_out, NULL, 1, BH_COLS); break;
+        case 2: bh_tile(xm, wd, NULL, k, 0, ym, n_out, NULL, 2, BH_COLS); break;
+        default: bh_tile(xm, wd, NULL, k, 0, ym, n_out, NULL, BH_ROWS, BH_COLS);
         }
     }
+}
+
+/* Rows first..end against columns n..n + cols (row_bytes apart): from BH_ROWS rows on the
+ * columns are decoded into `wd` [BH_COLS, k] once; fewer rows decode them in registers. A
+ * column with a scale outside the exact range is summed again alone, whatever the rows. */
+static void bh_columns(const uint16_t *xo, int64_t k, const uint8_t *w, int64_t row_bytes,
+                       uint16_t *wd, uint16_t *y, int64_t n_out, int64_t first, int64_t end,
+                       int cols) {
+    const int64_t blocks = k / MX_BLOCK, rows = end - first;
+    unsigned outside[BH_COLS] = {0};
+    if (rows >= BH_ROWS && cols == BH_COLS) {
+        for (int c = 0; c < cols; c++)
+            outside[c] = bh_decode_column(w + c * row_bytes, blocks, wd + c * k);
+        bh_decoded_rows(xo, wd, k, y, n_out, first, end);
+    } else {
+        for (int c = 0; c < cols; c++)
+            for (int64_t m = first; m < end; m += 2) {
+                const uint8_t *wc = w + c * row_bytes;
+                uint16_t *ym = y + m * n_out + c;
+                if (end - m == 1)
+                    bh_tile(xo + m * k, NULL, wc, k, 0, ym, n_out, outside + c, 1, 1);
+                else
+                    bh_tile(xo + m * k, NULL, wc, k, 0, ym, n_out, outside + c, 2, 1);
+            }
+    }
+    for (int c = 0; c < cols; c++)
+        if (outside[c])
+            for (int64_t m = first; m < end; m++)
+                y[m * n_out + c] = to_bf16(bh_exact_total(xo + m * k, w + c * row_bytes, blocks));
 }
 
 /* bf16 x [rows, x_stride] times the MXFP4 weight, y [rows, n_out] bf16. Returns 0, or 2
@@ -119,17 +248,29 @@ static int mxfp4_dpbf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, u
         for (int64_t b = 0; b < blocks; b++)
             for (int p = 0; p < MX_BLOCK; p++)
                 xo[m * k + b * MX_BLOCK + p] = x[m * x_stride + b * MX_BLOCK + ORDER[p]];
-    float scales[256];
-    for (int e = 0; e < 256; e++) scales[e] = half_scale((uint8_t)e);
     const int64_t tiles = (rows + ROW_TILE - 1) / ROW_TILE;
-#pragma omp parallel for collapse(2) schedule(static) if (rows * n_out * k >= (1 << 18))
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t n = 0; n < n_out; n++) {
-            const int64_t end = (t + 1) * ROW_TILE < rows ? (t + 1) * ROW_TILE : rows;
-            bh_column(xo, k, w + n * row_bytes, blocks, scales, y + n, n_out, t * ROW_TILE, end);
-        }
+    const int64_t groups = (n_out + BH_COLS - 1) / BH_COLS;
+    int status = 0;
+#pragma omp parallel if (rows * n_out * k >= (1 << 18)) reduction(max : status)
+    {
+        /* Only tiles of BH_ROWS rows or more decode into it. */
+        uint16_t *wd = rows >= BH_ROWS ? malloc(sizeof(uint16_t) * BH_COLS * k) : NULL;
+        const int failed = rows >= BH_ROWS && wd == NULL;
+        status = failed ? 2 : 0; /* the reduction's own copy starts at INT_MIN */
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t t = 0; t < tiles; t++)
+            for (int64_t g = 0; g < groups; g++) {
+                if (failed) continue;
+                const int64_t end = (t + 1) * ROW_TILE < rows ? (t + 1) * ROW_TILE : rows;
+                const int64_t n = g * BH_COLS;
+                const int cols = n_out - n < BH_COLS ? (int)(n_out - n) : BH_COLS;
+                bh_columns(xo, k, w + n * row_bytes, row_bytes, wd, y + n, n_out, t * ROW_TILE,
+                           end, cols);
+            }
+        free(wd);
+    }
     free(xo);
-    return 0;
+    return status;
 }
 
 #endif
