@@ -25,11 +25,10 @@ import os
 from pathlib import Path
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFWriter, RopeScalingType
 from gguf import GGMLQuantizationType as T
-from tqdm import tqdm
+from gguf import GGUFWriter, RopeScalingType
 
-from bench.moe_shape import random_blocks
+from bench.random_tensors import Tensors, tensor_bytes, write_tensors
 from bench.shape_gguf import default_vocabulary, written_once
 from model.checkpoint.pypi_models import model_cache
 
@@ -50,11 +49,11 @@ def mxfp4_blocks(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray
     return raw.reshape(*lead, cols // 32 * 17)
 
 
-def layer_tensors(i: int) -> list[tuple[str, tuple[int, ...], T | None]]:
+def layer_tensors(i: int) -> Tensors:
     """(name, shape in torch's order, block type; None for a norm's ones, F32 for small
     random floats)."""
     q, kv, blk = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, f"blk.{i}"
-    tensors: list[tuple[str, tuple[int, ...], T | None]] = [
+    tensors: Tensors = [
         (f"{blk}.attn_norm.weight", (DIM,), None),
         (f"{blk}.post_attention_norm.weight", (DIM,), None),
         (f"{blk}.attn_sinks.weight", (HEADS,), T.F32),
@@ -104,28 +103,7 @@ def write(path: Path, layers: int, seed: int = 0) -> None:
     tensors += [("output_norm.weight", (DIM,), None), ("output.weight", (vocab, DIM), T.Q8_0)]
     for i in range(layers):
         tensors += layer_tensors(i)
-    rng = np.random.default_rng(seed)
-    for name, shape, qtype in tqdm(tensors, desc=f"writing {path.name}", unit="tensor"):
-        if qtype is None:  # norms
-            writer.add_tensor(name, np.ones(shape, dtype=np.float32))
-        elif qtype == T.F32:  # biases, sinks, the router
-            writer.add_tensor(name, rng.standard_normal(shape, dtype=np.float32) * 0.02)
-        elif qtype == T.MXFP4:
-            writer.add_tensor(name, mxfp4_blocks(rng, shape), raw_dtype=qtype)
-        else:
-            writer.add_tensor(name, random_blocks(rng, shape, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def tensor_bytes(tensors: list[tuple[str, tuple[int, ...], T | None]]) -> int:
-    total = 0
-    for _, shape, qtype in tensors:
-        per_block, block_bytes = GGML_QUANT_SIZES[qtype or T.F32]
-        total += int(np.prod(shape)) // per_block * block_bytes
-    return total
+    write_tensors(writer, path, tensors, seed, blocks={T.MXFP4: mxfp4_blocks})
 
 
 def default_layers(vocab: int = 49152) -> int:

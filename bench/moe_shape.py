@@ -21,39 +21,19 @@ import argparse
 import os
 from pathlib import Path
 
-import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFWriter
 from gguf import GGMLQuantizationType as T
-from tqdm import tqdm
+from gguf import GGUFWriter
 
+from bench.random_tensors import Tensors, tensor_bytes, write_tensors
 from bench.shape_gguf import default_vocabulary, written_once
 from model.checkpoint.pypi_models import model_cache
 
 SHAPE = {"dim": 2048, "heads": 32, "kv_heads": 4, "head_dim": 128}
 EXPERTS, EXPERTS_USED, EXPERT_FFN = 128, 8, 768
 LAYERS_OF_THE_REAL_MODEL = 48
-# Half-precision block scales that give weights of about 0.02, a trained layer's size.
-SCALES = {T.Q4_K: (1e-4, 4e-4), T.Q6_K: (2e-5, 0.0)}
 
 
-def random_blocks(rng: np.random.Generator, shape: tuple[int, ...], qtype: T) -> np.ndarray:
-    """Blocks of `qtype` holding `shape` weights (last dimension in weights), as bytes."""
-    per_block, block_bytes = GGML_QUANT_SIZES[qtype]
-    *lead, cols = shape
-    raw = rng.integers(0, 256, (*lead, cols // per_block, block_bytes), dtype=np.uint8)
-    if qtype in SCALES:
-        d, dmin = SCALES[qtype]
-        if qtype == T.Q4_K:  # d and dmin lead the block
-            raw[..., 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
-            raw[..., 2:4] = np.frombuffer(np.float16(dmin).tobytes(), np.uint8)
-        else:  # Q6_K: d ends the block
-            raw[..., -2:] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
-    else:  # Q8_0: an f16 scale, then 32 int8
-        raw[..., 0:2] = np.frombuffer(np.float16(1e-3).tobytes(), np.uint8)
-    return raw.reshape(*lead, cols // per_block * block_bytes)
-
-
-def layer_tensors(i: int) -> list[tuple[str, tuple[int, ...], T | None]]:
+def layer_tensors(i: int) -> Tensors:
     dim, head = SHAPE["dim"], SHAPE["head_dim"]
     q, kv = SHAPE["heads"] * head, SHAPE["kv_heads"] * head
     return [
@@ -94,31 +74,11 @@ def write(path: Path, layers: int, seed: int = 0) -> None:
     tensors += [("output_norm.weight", (dim,), None), ("output.weight", (vocab, dim), T.Q6_K)]
     for i in range(layers):
         tensors += layer_tensors(i)
-    rng = np.random.default_rng(seed)
-    for name, shape, qtype in tqdm(tensors, desc=f"writing {path.name}", unit="tensor"):
-        if qtype is None:  # norms
-            writer.add_tensor(name, np.ones(shape, dtype=np.float32))
-        elif qtype == T.F32:  # the router
-            weights = rng.standard_normal(shape, dtype=np.float32) * 0.02
-            writer.add_tensor(name, weights.astype(np.float32))
-        else:
-            writer.add_tensor(name, random_blocks(rng, shape, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_tensors(writer, path, tensors, seed)
 
 
 def layer_bytes() -> int:
-    total = 0
-    for _, shape, qtype in layer_tensors(0):
-        count = int(np.prod(shape))
-        if qtype is None or qtype == T.F32:
-            total += 4 * count
-        else:
-            per_block, block_bytes = GGML_QUANT_SIZES[qtype]
-            total += count // per_block * block_bytes
-    return total
+    return tensor_bytes(layer_tensors(0))
 
 
 def default_layers() -> int:

@@ -7,7 +7,8 @@ import pytest
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from bench.moe_shape import EXPERT_FFN, EXPERTS, layer_bytes, layer_tensors, random_blocks
+from bench.moe_shape import EXPERT_FFN, EXPERTS, layer_bytes, layer_tensors
+from bench.random_tensors import random_blocks
 
 
 @pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q8_0])
