@@ -49,8 +49,8 @@ def layer_quantizations(
     Q5_0 or all Q6_K; `chosen`: the format was `auto`'s choice (a quantization asked for by
     name is kept, but for w4a8's wider layers). In w4a8 Q5_0 layers take w5a8: their own
     format, with the model's int8 activations; so do Q6_K ones (w6a8) where the CPU has no
-    bf16 products (`q6_k_in_w6a8`). `mxfp4`: those all MXFP4, held as they are
-    in any format, on any device."""
+    bf16 products (`q6_k_in_w6a8`), and there the layers left in grouped int8 (w8a8).
+    `mxfp4`: those all MXFP4, held as they are in any format, on any device."""
     own = dict.fromkeys(wide, fmt.wide) if fmt.wide else {}
     own.update(dict.fromkeys(mxfp4, "mxfp4"))
     native = device.type == "cpu" and allows_native(mode)
@@ -67,8 +67,11 @@ def layer_quantizations(
     elif q5 and int5_pays(config, device):
         own.update(dict.fromkeys(q5, INT5.quantization))
     q6 = [key for key in in_int8g(q6_k) if key_shape(config, key)[0] % INT6_SUPER_BLOCK == 0]
-    if q6 and int8_activations and q6_k_in_w6a8(mode):
+    if int8_activations and q6_k_in_w6a8(mode):
         own.update(dict.fromkeys(q6, "w6a8"))
+        # What is left in grouped int8 (Q8_0 layers, fused layers mixing types: a Q/K/V
+        # whose V alone is Q6_K or Q8_0) takes the same int8 activations (w8a8).
+        own.update(dict.fromkeys(in_int8g(frozenset(own)), "w8a8"))
         return own
     for in_features, out_features in sorted({key_shape(config, key) for key in q6}):
         if int6_pays(in_features, out_features):
@@ -137,11 +140,12 @@ def quantized_head_format(
     config: ModelConfig, block_type: str | None, fmt: WeightFormat, mode: str
 ) -> str:
     """The format of an output projection that runs quantised: grouped int8, or for one
-    stored in Q6_K (or tied to an embedding that is) int6 where it times no slower, w6a8
-    where the model's Q6_K layers take it (`q6_k_in_w6a8`)."""
+    stored in Q6_K (or tied to an embedding that is) int6 where it times no slower; each on
+    int8 activations (w8a8, w6a8) where the model's Q6_K layers take them (`q6_k_in_w6a8`)."""
+    int8_activations = fmt.quantization == "w4a8" and fmt.wide is not None and q6_k_in_w6a8(mode)
     if block_type != "Q6_K" or config.dim % INT6_SUPER_BLOCK or config.vocab_size % 16:
-        return "int8"
-    if fmt.quantization == "w4a8" and fmt.wide is not None and q6_k_in_w6a8(mode):
+        return "w8a8" if int8_activations else "int8"
+    if int8_activations:
         return "w6a8"
     return "int6" if int6_pays(config.dim, config.vocab_size, logits=True) else "int8"
 
