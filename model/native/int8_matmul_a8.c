@@ -112,9 +112,56 @@ static inline __attribute__((always_inline)) void half_tile(
     }
 }
 
+/* The whole tile in one pass for up to WHOLE_TILE_ROWS rows (their accumulators fit in
+ * registers): each broadcast pair of xq serves both halves. The same operations, in the
+ * same order, as half_tile's for each column. */
+#define WHOLE_TILE_ROWS 2
+
+static inline __attribute__((always_inline)) void whole_tile(
+    const int32_t *xp, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
+    const uint16_t *scales, void *y, int64_t y_stride, const int rows, const int f32_out) {
+    __m256 total[WHOLE_TILE_ROWS][2];
+    for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = w + g * TILE * GROUP;
+        __m256i dot[WHOLE_TILE_ROWS][2];
+        for (int m = 0; m < rows; m++) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
+        for (int p = 0; p < GROUP / 2; p++) {
+            const __m256i lo =
+                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + STEP_BYTES * p)));
+            const __m256i hi = _mm256_cvtepi8_epi16(
+                _mm_loadu_si128((const __m128i *)(wg + STEP_BYTES * p + 16)));
+            for (int m = 0; m < rows; m++) {
+                const __m256i pair = _mm256_set1_epi32(xp[m * (k / 2) + g * (GROUP / 2) + p]);
+                dot[m][0] = _mm256_add_epi32(dot[m][0], _mm256_madd_epi16(lo, pair));
+                dot[m][1] = _mm256_add_epi32(dot[m][1], _mm256_madd_epi16(hi, pair));
+            }
+        }
+        for (int half = 0; half < 2; half++) {
+            const __m256 scale = _mm256_cvtph_ps(
+                _mm_loadu_si128((const __m128i *)(scales + g * TILE + 8 * half)));
+            for (int m = 0; m < rows; m++) {
+                const __m256 part = _mm256_mul_ps(_mm256_cvtepi32_ps(dot[m][half]),
+                                                  _mm256_set1_ps(c[m * groups + g].d));
+                total[m][half] = _mm256_fmadd_ps(part, scale, total[m][half]);
+            }
+        }
+    }
+    for (int m = 0; m < rows; m++) {
+        float out[TILE];
+        _mm256_storeu_ps(out, total[m][0]);
+        _mm256_storeu_ps(out + 8, total[m][1]);
+        for (int i = 0; i < TILE; i++) store(y, m * y_stride + i, out[i], !f32_out);
+    }
+}
+
 static inline __attribute__((always_inline)) void tile_block(
     const int32_t *xp, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
     const uint16_t *scales, void *y, int64_t y_stride, const int rows, const int f32_out) {
+    if (rows <= WHOLE_TILE_ROWS) {
+        whole_tile(xp, k, c, groups, w, scales, y, y_stride, rows, f32_out);
+        return;
+    }
     for (int half = 0; half < 2; half++)
         half_tile(xp, k, c, groups, w, scales, y, y_stride, rows, half, f32_out);
 }
