@@ -135,12 +135,12 @@ def test_int6_against_grouped_int8_is_timed_on_one_thread(monkeypatch) -> None:
 
     seen = []
 
-    def timed(run, reps=3):
+    def timed(run, reps=5):
         seen.append(torch.get_num_threads())
         run()
         return 1.0
 
-    monkeypatch.setattr(layer_formats, "best_ms", timed)
+    monkeypatch.setattr(layer_formats, "best_thread_ms", timed)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

@@ -18,7 +18,7 @@ import torch
 from model.config import ModelConfig
 from model.plan import weight_format
 from model.plan.mode import allows_native
-from model.plan.timing import best_ms, on_one_thread
+from model.plan.timing import best_thread_ms, on_one_thread
 from model.plan.tuning import config_key, remembered
 from model.plan.weight_format import MEASURED_BATCH_SIZES, NEAR_TIE, WeightFormat, int4_fits
 from model.quant.int6 import SUPER_BLOCK as INT6_SUPER_BLOCK
@@ -118,7 +118,7 @@ def int6_pays(in_features: int, out_features: int, logits: bool = False) -> bool
     key = {"shape": [out_features, in_features], "logits": logits}
     with torch.inference_mode():
         int6_ms, int8g_ms = remembered(
-            "int6_against_int8g_one_thread_ms",
+            "int6_against_int8g_thread_ms",
             key,
             lambda: int6_and_int8g_ms(in_features, out_features, logits),
             decode=tuple,
@@ -203,10 +203,11 @@ def layer_shape(config: ModelConfig, name: str) -> tuple[int, int]:
 def int6_and_int8g_ms(in_features: int, out_features: int, logits: bool) -> tuple[float, float]:
     """Milliseconds of one product in int6 and in grouped int8 (geometric mean over the
     batch sizes the weight format is chosen on), on at most 8192 of the output columns:
-    the output projection's cost is linear in them; on one thread (`on_one_thread`). On a
-    busy machine the two formats' ratio at a batch size ranged 0.3-2.6 between two-thread
-    runs, 0.8-1.3 between one-thread ones, and Qwen2.5-Coder-1.5B's head went to grouped
-    int8 (248 MB a step) where int6 reads 193."""
+    the output projection's cost is linear in them; on one thread (`on_one_thread`), in
+    its CPU time. On a busy machine the two formats' ratio at a batch size ranged 0.3-2.6
+    between two-thread runs in wall time, and Qwen2.5-Coder-1.5B's head went to grouped
+    int8 (248 MB a step) where int6 reads 193; one-thread wall times still sent its Q6_K
+    down projections to grouped int8 once."""
     rows = min(out_features, 8192)
     weight = on_grid(rows, in_features, torch.Generator().manual_seed(0))
     int6 = Int6Linear(in_features, rows, "cpu", logits=logits)
@@ -218,6 +219,6 @@ def int6_and_int8g_ms(in_features: int, out_features: int, logits: bool) -> tupl
         for batch in MEASURED_BATCH_SIZES:
             x = torch.randn(batch, in_features).bfloat16()
             for i, module in enumerate((int6, int8g)):
-                logs[i] += math.log(best_ms(partial(module, x), reps=5))
+                logs[i] += math.log(best_thread_ms(partial(module, x)))
     n = len(MEASURED_BATCH_SIZES)
     return math.exp(logs[0] / n), math.exp(logs[1] / n)

@@ -22,6 +22,19 @@ def best_ms(run: Callable[[], object], reps: int = 3) -> float:
     return min(times) * 1e3
 
 
+def best_thread_ms(run: Callable[[], object], reps: int = 5) -> float:
+    """As `best_ms`, in the calling thread's CPU time: for a run that computes on this
+    thread alone (`on_one_thread`), what it cost whatever else the machine runs (another
+    process can take the core between two instructions and it does not count)."""
+    run()
+    times = []
+    for _ in range(reps):
+        started = time.thread_time_ns()
+        run()
+        times.append(time.thread_time_ns() - started)
+    return min(times) / 1e6
+
+
 @contextlib.contextmanager
 def on_one_thread() -> Iterator[None]:
     """Runs the block with PyTorch's and the C kernels' OpenMP teams at one thread. For
