@@ -158,7 +158,7 @@ def _load_weights(
         tp=tp,
         head_int8=plan.head is not None,
         head_int6=plan.head in ("int6", "w6a8"),
-        head_int8_activations=plan.head == "w6a8",
+        head_int8_activations=plan.head in ("w6a8", "w8a8"),
         layer_quantizations=plan.layer_quantizations,
         int4_kernels=plan.int4_kernels,
     )

@@ -126,3 +126,26 @@ def test_rows_loaded_in_parts_equal_rows_loaded_at_once(order) -> None:
 def test_shapes_off_the_super_block_are_refused() -> None:
     with pytest.raises(ValueError, match="divisible by 256"):
         Int6Linear(896, 64, "cpu")
+
+
+def test_int6_against_grouped_int8_is_timed_on_one_thread(monkeypatch) -> None:
+    """Both kernels split their tiles among threads alike: their ratio is taken on one
+    thread, which a busy second core cannot stretch, and the team is given back after."""
+    from model.plan import layer_formats
+
+    seen = []
+
+    def timed(run, reps=5):
+        seen.append(torch.get_num_threads())
+        run()
+        return 1.0
+
+    monkeypatch.setattr(layer_formats, "best_thread_ms", timed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert layer_formats.int6_and_int8g_ms(256, 32, logits=True) == (1.0, 1.0)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
+    assert seen and set(seen) == {1}

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model.loader import load_model
-from model.native.layer import INT6_A8
+from model.native.layer import INT6_A8, INT8_GROUPS_A8
 from model.network.batch import Batch
 from model.network.decoder_layer import _native_weight
 from model.network.llama import Llama
@@ -20,13 +20,17 @@ from model.plan import build, int4_kernel, layer_formats, weight_format
 from model.quant.int4 import Int4Linear
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
+from tests.engine_driver import assert_batch_invariant
 from tests.tiny_families import write_gguf
 from tests.tiny_models import write_tiny_tokenizer
 
 
-def write_q6_k_gguf(tmp_path: Path) -> Path:
-    """Two layers of 256 wide; layer 1's down projection and the tied embedding in Q6_K,
-    every other matrix in Q4_1."""
+def write_q6_k_gguf(
+    tmp_path: Path, embedding: GGMLQuantizationType = GGMLQuantizationType.Q6_K
+) -> Path:
+    """Two layers of 256 wide; layer 1's down projection, layer 0's V (its Q/K/V then mixes
+    types, as a Q4_K_M file's does) and the tied embedding (or `embedding`) in Q6_K, every
+    other matrix in Q4_1."""
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=256,
@@ -49,7 +53,8 @@ def write_q6_k_gguf(tmp_path: Path) -> Path:
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     types = {f"blk.{i}.{n}.weight": GGMLQuantizationType.Q4_1 for i in (0, 1) for n in names}
     types["blk.1.ffn_down.weight"] = GGMLQuantizationType.Q6_K
-    types["token_embd.weight"] = GGMLQuantizationType.Q6_K
+    types["blk.0.attn_v.weight"] = GGMLQuantizationType.Q6_K
+    types["token_embd.weight"] = embedding
     return write_gguf(model, "llama", hf_dir, tmp_path / "q6_k.gguf", types=types)
 
 
@@ -95,23 +100,34 @@ def test_q6_k_layers_and_head_run_in_int6_where_it_times_no_slower(
     assert difference < 0.08  # 0.04 here; a head 5% off: 0.2
 
 
+@pytest.mark.parametrize("embedding", [GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0])
 def test_q6_k_layers_and_head_take_int8_activations_in_w4a8_without_bf16_products(
-    tmp_path, monkeypatch
+    tmp_path, monkeypatch, embedding
 ) -> None:
     """Where the CPU has no bf16 products (AVX2), w4a8's Q6_K layers and Q6_K head run on
-    int6_matmul_a8.c, the same packed bytes, llama.cpp's rounding of the activations."""
-    path = write_q6_k_gguf(tmp_path)
+    int6_matmul_a8.c, the same packed bytes, llama.cpp's rounding of the activations; the
+    Q/K/V layer that mixes Q4_1 with a Q6_K V, and a Q8_0 head, on int8_matmul_a8.c."""
+    path = write_q6_k_gguf(tmp_path, embedding)
     monkeypatch.setattr(build, "head_int8", lambda *_: True)
     monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: "native_a8")
     monkeypatch.setattr(layer_formats, "q6_k_in_w6a8", lambda *_: True)
-    model = load_model(path, dtype="auto", quantization="w4a8", progress=False).model
+    loaded = load_model(path, dtype="auto", quantization="w4a8", progress=False)
+    model = loaded.model
     down = model.layers[1].down_proj
     assert isinstance(down, Int6Linear) and down.int8_activations
     assert _native_weight(down)[2] == INT6_A8
-    assert isinstance(model.lm_head, Int6Linear) and model.lm_head.int8_activations
+    qkv = model.layers[0].qkv_proj
+    assert isinstance(qkv, Int8GroupLinear) and qkv.int8_activations
+    assert _native_weight(qkv)[2] == INT8_GROUPS_A8
+    head = Int6Linear if embedding == GGMLQuantizationType.Q6_K else Int8GroupLinear
+    assert isinstance(model.lm_head, head) and model.lm_head.int8_activations
     assert all(layer.native is not None for layer in model.layers)
 
     exact = load_model(path, dtype="float32", quantization="none", progress=False).model
     ids = list(range(3, 200, 7))
     difference = (logprobs(model, ids) - logprobs(exact, ids)).abs().max().item()
     assert difference < 0.2  # int8 activations everywhere (test_weight_format.py's bound)
+    if embedding == GGMLQuantizationType.Q8_0:
+        # Every kernel on the path computes a row alone: alone, crowded, chunked, preempted.
+        texts = [list(range(5 + i, 200, 17 + i)) for i in range(4)]
+        assert_batch_invariant(loaded, texts, 8, kv_tokens=48, label="w8a8")

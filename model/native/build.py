@@ -46,6 +46,7 @@ SOURCES = (
     "int6_matmul_a8.c",
     "int6_grid.c",
     "int8_matmul.c",
+    "int8_matmul_a8.c",
     "decoder_layer.c",
     "lora_update.c",
     "moe_experts.c",

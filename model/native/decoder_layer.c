@@ -53,6 +53,9 @@ int int6_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
 int int6_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                         const float *scales, uint16_t *y, int64_t rows, int64_t n_out,
                         int64_t k);
+int int8_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                        const uint16_t *scales, uint16_t *y, int64_t rows, int64_t n_out,
+                        int64_t k);
 int mxfp4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, uint16_t *y,
                       int64_t rows, int64_t n_out, int64_t k);
 int mxfp4_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, uint16_t *y,
@@ -74,6 +77,8 @@ static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, ui
         return int6_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == INT6_A8)
         return int6_matmul_a8_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
+    if (w->kind == INT8_GROUPS_A8)
+        return int8_matmul_a8_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == MXFP4) return mxfp4_matmul_bf16(x, x_stride, w->weight, y, rows, n_out, k);
     if (w->kind == MXFP4_A8)
         return mxfp4_matmul_a8_bf16(x, x_stride, w->weight, y, rows, n_out, k);

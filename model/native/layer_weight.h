@@ -7,7 +7,7 @@
 
 /* How a projection's weight is stored and multiplied. */
 enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2, INT5 = 3, INT6 = 4, INT5_A8 = 5, MXFP4 = 6,
-       MXFP4_A8 = 7, INT6_A8 = 8 };
+       MXFP4_A8 = 7, INT6_A8 = 8, INT8_GROUPS_A8 = 9 };
 
 typedef struct {
     const uint8_t *weight; /* int4_matmul.c's, int5_, int6_ or int8_matmul.c's layout; MXFP4:

@@ -27,6 +27,7 @@ from model.native.layer import (
     INT6,
     INT6_A8,
     INT8_GROUPS,
+    INT8_GROUPS_A8,
     MXFP4,
     MXFP4_A8,
     NativeDecoderLayer,
@@ -235,7 +236,11 @@ def _native_weight(proj: nn.Module) -> NativeWeight | None:
         kind = INT4_A8 if proj.kernel == "native_a8" else INT4
         return proj.weight_int4, proj.scales_and_zeros, kind
     if isinstance(proj, Int8GroupLinear) and not proj.fp32_output:
-        return proj.weight_int8, proj.scales, INT8_GROUPS
+        return (
+            proj.weight_int8,
+            proj.scales,
+            INT8_GROUPS_A8 if proj.int8_activations else INT8_GROUPS,
+        )
     if isinstance(proj, Int5Linear):
         return proj.weight_int5, proj.scales, INT5_A8 if proj.int8_activations else INT5
     if isinstance(proj, Int6Linear) and not proj.logits:

@@ -154,13 +154,13 @@ class Llama(nn.Module):
 
     def quantize_head(self, int6: bool = False, int8_activations: bool = False) -> None:
         """Swaps the output projection for an empty grouped-int8 one (or an int6 one, for a
-        Q6_K head), before loading; a tied embedding then reads its rows from it rather
-        than holding a copy."""
+        Q6_K head; either on int8 activations with `int8_activations`), before loading; a
+        tied embedding then reads its rows from it rather than holding a copy."""
         shape = (self.lm_head.in_features, self.lm_head.out_features, "meta")
         self.lm_head = (
             Int6Linear(*shape, logits=True, int8_activations=int8_activations)
             if int6
-            else Int8GroupLinear(*shape)
+            else Int8GroupLinear(*shape, int8_activations=int8_activations)
         )
         if self.config.tie_embeddings and not self.tp:
             self.embed_from_head = True

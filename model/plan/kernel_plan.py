@@ -38,7 +38,9 @@ class KernelPlan:
     n_linears: int  # the decoder's linear layers, each expert's counted
     # The decoder linear layers ('layers.3.down_proj') whose format is not the model's.
     layer_quantizations: dict[str, str] = field(default_factory=dict)
-    head: str | None = None  # the output projection's format: int8, int6, w6a8, or None (dtype)
+    head: str | None = (
+        None  # the output projection's format: int8, int6, w6a8, w8a8, or None (dtype)
+    )
     int4_kernels: Int4Kernels = field(default_factory=dict)
     attention: str = "torch_ref"  # the backend `--attention-backend` resolved to
     argmax: bool = False  # the C argmax over CPU rows

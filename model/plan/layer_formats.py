@@ -18,7 +18,7 @@ import torch
 from model.config import ModelConfig
 from model.plan import weight_format
 from model.plan.mode import allows_native
-from model.plan.timing import best_ms
+from model.plan.timing import best_thread_ms, on_one_thread
 from model.plan.tuning import config_key, remembered
 from model.plan.weight_format import MEASURED_BATCH_SIZES, NEAR_TIE, WeightFormat, int4_fits
 from model.quant.int6 import SUPER_BLOCK as INT6_SUPER_BLOCK
@@ -49,8 +49,8 @@ def layer_quantizations(
     Q5_0 or all Q6_K; `chosen`: the format was `auto`'s choice (a quantization asked for by
     name is kept, but for w4a8's wider layers). In w4a8 Q5_0 layers take w5a8: their own
     format, with the model's int8 activations; so do Q6_K ones (w6a8) where the CPU has no
-    bf16 products (`q6_k_in_w6a8`). `mxfp4`: those all MXFP4, held as they are
-    in any format, on any device."""
+    bf16 products (`q6_k_in_w6a8`), and there the layers left in grouped int8 (w8a8).
+    `mxfp4`: those all MXFP4, held as they are in any format, on any device."""
     own = dict.fromkeys(wide, fmt.wide) if fmt.wide else {}
     own.update(dict.fromkeys(mxfp4, "mxfp4"))
     native = device.type == "cpu" and allows_native(mode)
@@ -67,8 +67,11 @@ def layer_quantizations(
     elif q5 and int5_pays(config, device):
         own.update(dict.fromkeys(q5, INT5.quantization))
     q6 = [key for key in in_int8g(q6_k) if key_shape(config, key)[0] % INT6_SUPER_BLOCK == 0]
-    if q6 and int8_activations and q6_k_in_w6a8(mode):
+    if int8_activations and q6_k_in_w6a8(mode):
         own.update(dict.fromkeys(q6, "w6a8"))
+        # What is left in grouped int8 (Q8_0 layers, fused layers mixing types: a Q/K/V
+        # whose V alone is Q6_K or Q8_0) takes the same int8 activations (w8a8).
+        own.update(dict.fromkeys(in_int8g(frozenset(own)), "w8a8"))
         return own
     for in_features, out_features in sorted({key_shape(config, key) for key in q6}):
         if int6_pays(in_features, out_features):
@@ -111,11 +114,11 @@ def int5_pays(config: ModelConfig, device: torch.device) -> bool:
 def int6_pays(in_features: int, out_features: int, logits: bool = False) -> bool:
     """Whether Q6_K layers of this shape (or the output projection, `logits`) run in int6
     rather than grouped int8: fewer bytes, but more work to unpack them, so timed once
-    per shape and machine (model/quant/int6.py, `int6_and_int8g_ms`)."""
+    per shape and machine (`int6_and_int8g_ms`)."""
     key = {"shape": [out_features, in_features], "logits": logits}
     with torch.inference_mode():
         int6_ms, int8g_ms = remembered(
-            "int6_against_int8g_ms",
+            "int6_against_int8g_thread_ms",
             key,
             lambda: int6_and_int8g_ms(in_features, out_features, logits),
             decode=tuple,
@@ -137,11 +140,12 @@ def quantized_head_format(
     config: ModelConfig, block_type: str | None, fmt: WeightFormat, mode: str
 ) -> str:
     """The format of an output projection that runs quantised: grouped int8, or for one
-    stored in Q6_K (or tied to an embedding that is) int6 where it times no slower, w6a8
-    where the model's Q6_K layers take it (`q6_k_in_w6a8`)."""
+    stored in Q6_K (or tied to an embedding that is) int6 where it times no slower; each on
+    int8 activations (w8a8, w6a8) where the model's Q6_K layers take them (`q6_k_in_w6a8`)."""
+    int8_activations = fmt.quantization == "w4a8" and fmt.wide is not None and q6_k_in_w6a8(mode)
     if block_type != "Q6_K" or config.dim % INT6_SUPER_BLOCK or config.vocab_size % 16:
-        return "int8"
-    if fmt.quantization == "w4a8" and fmt.wide is not None and q6_k_in_w6a8(mode):
+        return "w8a8" if int8_activations else "int8"
+    if int8_activations:
         return "w6a8"
     return "int6" if int6_pays(config.dim, config.vocab_size, logits=True) else "int8"
 
@@ -199,7 +203,11 @@ def layer_shape(config: ModelConfig, name: str) -> tuple[int, int]:
 def int6_and_int8g_ms(in_features: int, out_features: int, logits: bool) -> tuple[float, float]:
     """Milliseconds of one product in int6 and in grouped int8 (geometric mean over the
     batch sizes the weight format is chosen on), on at most 8192 of the output columns:
-    the output projection's cost is linear in them."""
+    the output projection's cost is linear in them; on one thread (`on_one_thread`), in
+    its CPU time. On a busy machine the two formats' ratio at a batch size ranged 0.3-2.6
+    between two-thread runs in wall time, and Qwen2.5-Coder-1.5B's head went to grouped
+    int8 (248 MB a step) where int6 reads 193; one-thread wall times still sent its Q6_K
+    down projections to grouped int8 once."""
     rows = min(out_features, 8192)
     weight = on_grid(rows, in_features, torch.Generator().manual_seed(0))
     int6 = Int6Linear(in_features, rows, "cpu", logits=logits)
@@ -207,9 +215,10 @@ def int6_and_int8g_ms(in_features: int, out_features: int, logits: bool) -> tupl
     logs = [0.0, 0.0]
     for module in (int6, int8g):
         module.load_rows(0, weight)
-    for batch in MEASURED_BATCH_SIZES:
-        x = torch.randn(batch, in_features).bfloat16()
-        for i, module in enumerate((int6, int8g)):
-            logs[i] += math.log(best_ms(partial(module, x)))
+    with on_one_thread():
+        for batch in MEASURED_BATCH_SIZES:
+            x = torch.randn(batch, in_features).bfloat16()
+            for i, module in enumerate((int6, int8g)):
+                logs[i] += math.log(best_thread_ms(partial(module, x)))
     n = len(MEASURED_BATCH_SIZES)
     return math.exp(logs[0] / n), math.exp(logs[1] / n)

@@ -3,8 +3,11 @@ machine (weight format, int4 kernel) rather than assumed."""
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+
+import torch
 
 
 def best_ms(run: Callable[[], object], reps: int = 3) -> float:
@@ -17,3 +20,31 @@ def best_ms(run: Callable[[], object], reps: int = 3) -> float:
         run()
         times.append(time.perf_counter() - started)
     return min(times) * 1e3
+
+
+def best_thread_ms(run: Callable[[], object], reps: int = 5) -> float:
+    """As `best_ms`, in the calling thread's CPU time: for a run that computes on this
+    thread alone (`on_one_thread`), what it cost whatever else the machine runs (another
+    process can take the core between two instructions and it does not count)."""
+    run()
+    times = []
+    for _ in range(reps):
+        started = time.thread_time_ns()
+        run()
+        times.append(time.thread_time_ns() - started)
+    return min(times) / 1e6
+
+
+@contextlib.contextmanager
+def on_one_thread() -> Iterator[None]:
+    """Runs the block with PyTorch's and the C kernels' OpenMP teams at one thread. For
+    comparing two C kernels that share their tiling and its split among threads (int6 and
+    grouped int8): their ratio on one thread holds on two, and a one-thread run does not
+    wait for a second core that another process holds (on a busy 2-core machine two-thread
+    runs came out at 4, 8 or 12 ms, the scheduler's time slices, whatever the kernel)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)

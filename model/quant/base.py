@@ -22,7 +22,7 @@ STAGE_ROWS = 256
 STAGE_BLOCK_ROWS = 2048
 QUANTIZATIONS = ("int8", "int8g", "int4", "w4a8")
 # Formats the loader gives single layers, never a whole model (no flag asks for them).
-LAYER_ONLY_QUANTIZATIONS = ("int5", "w5a8", "int6", "w6a8", "mxfp4")
+LAYER_ONLY_QUANTIZATIONS = ("int5", "w5a8", "int6", "w6a8", "w8a8", "mxfp4")
 
 
 def fp16_scales(scales: torch.Tensor) -> torch.Tensor:

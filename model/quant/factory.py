@@ -27,13 +27,17 @@ def quantized_linear(
     where the CPU has AVX-512 VNNI and less exact. int5 and int6 (GGUF Q5_0's and Q6_K's own
     formats) are no choice of the flags: the loader takes them for Q5_0 and Q6_K layers
     (LAYER_ONLY_QUANTIZATIONS), and w5a8 and w6a8 (int5, int6 with int8 activations) for Q5_0
-    and Q6_K layers of a model in w4a8; mxfp4 for MXFP4 layers (gpt-oss's experts), held as stored.
+    and Q6_K layers of a model in w4a8, and w8a8 (grouped int8 with int8 activations) for its
+    layers that mix wider types (Q8_0, or Q4_K with Q6_K) where w6a8 is taken; mxfp4 for
+    MXFP4 layers (gpt-oss's experts), held as stored.
     int4_kernel: the kernel an int4, w4a8 or mxfp4 layer runs on, the kernel plan's choice
     for its shape (model/plan/int4_kernel.py; build.py for mxfp4)."""
     if quantization == "int8":
         return Int8Linear(in_features, out_features, device)
-    if quantization == "int8g":
-        return Int8GroupLinear(in_features, out_features, device, fp32_output=False)
+    if quantization in ("int8g", "w8a8"):
+        return Int8GroupLinear(
+            in_features, out_features, device, False, int8_activations=quantization == "w8a8"
+        )
     if quantization in ("int5", "w5a8"):
         return Int5Linear(in_features, out_features, device, quantization == "w5a8")
     if quantization in ("int6", "w6a8"):

@@ -1,7 +1,8 @@
 """Grouped int8 linear layers for the CPU (model/native/int8_matmul.c): symmetric int8 in
 groups of 32 input columns with fp16 scales, GGUF Q8_0's own format. The output
 projection's format where the checkpoint stores it in 8 bits or fewer, and a decoder
-layer's where a Q4_K_M file mixes wider types into one fused layer ("int8g")."""
+layer's where a Q4_K_M file mixes wider types into one fused layer ("int8g"); with int8
+activations ("w8a8", model/native/int8_matmul_a8.c), either, where a model runs in w4a8."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from gguf import GGMLQuantizationType
 from model.checkpoint.dequant import q8_0_grid
 from model.checkpoint.file_blocks import FileBlocks
 from model.errors import UnsupportedFormatError
+from model.native.int8_a8 import NativeInt8A8Logits, NativeInt8A8Matmul
 from model.native.ops import NativeInt8Matmul
 from model.quant.base import INT4_GROUP, QuantizedLinear, fp16_scales
 
@@ -21,7 +23,8 @@ class Int8GroupLinear(QuantizedLinear):
     and reads half the bytes of a bf16 copy. As the output
     projection it keeps the kernel's fp32 output (the logits); tied, it is the embedding
     too (`embed`), so the vocabulary's weights exist once. As a decoder layer ("int8g")
-    its output takes the activations' dtype, the residual stream's."""
+    its output takes the activations' dtype, the residual stream's. `int8_activations`
+    rounds each row of x to int8 in groups of 32 first, on the same packed bytes."""
 
     staging_dtype = torch.int8
     scale_dtype = torch.float16
@@ -33,6 +36,7 @@ class Int8GroupLinear(QuantizedLinear):
         out_features: int,
         device: torch.device | str,
         fp32_output: bool = True,
+        int8_activations: bool = False,
     ) -> None:
         if in_features % INT4_GROUP or out_features % 16:
             raise UnsupportedFormatError(
@@ -41,6 +45,7 @@ class Int8GroupLinear(QuantizedLinear):
             )
         super().__init__(in_features, out_features, device)
         self.fp32_output = fp32_output
+        self.int8_activations = int8_activations
         self._native: NativeInt8Matmul | None = None
         groups = in_features // INT4_GROUP
         self.register_buffer(
@@ -63,7 +68,8 @@ class Int8GroupLinear(QuantizedLinear):
         self.scales[row : row + rows] = d.reshape(rows, -1)
 
     def _pack(self) -> None:
-        self._native = NativeInt8Matmul()
+        kernels = (NativeInt8A8Matmul, NativeInt8A8Logits) if self.int8_activations else None
+        self._native = kernels[self.fp32_output]() if kernels else NativeInt8Matmul()
         self.weight_int8, self.scales = self._native.pack(self._staging, self.scales)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
