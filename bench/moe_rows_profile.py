@@ -135,12 +135,16 @@ def decode_steps(model: Llama, tokenizer, rows: int, rounds: int) -> None:
         while engine.has_work():
             for part in timings.values():
                 part.clear()
+            before = thread_clocks()
             wall, cpu = time.perf_counter_ns(), time.thread_time_ns()
             _, stats = engine.step()
             step = (time.perf_counter_ns() - wall, time.thread_time_ns() - cpu)
+            after = thread_clocks()
             if stats.num_tokens != rows or stats.num_generated != rows:
                 continue
             steps["engine step"].append(step)
+            others = [after[t] - before.get(t, 0) for t in after if t != threading_id()]
+            steps["engine step, other threads' busiest"].append((0, max(others, default=0)))
             for name, values in timings.items():
                 steps[name].append((sum(w for w, _ in values), sum(c for _, c in values)))
     print(f"{rows}-row decode steps ({torch.get_num_threads()} threads), ms, min: wall / thread")
