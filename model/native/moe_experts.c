@@ -210,7 +210,7 @@ static int run_experts(const moe_experts *m, const moe_step *s, const int64_t *s
     for (int64_t i = 0; i < slots; i++)
         memcpy(s->x + i * m->dim, x + s->order[i] / m->top_k * m->dim, sizeof(uint16_t) * m->dim);
     int status = 0;
-    if (by_columns(m, active, n_active)) {
+    if (n_active > 0 && by_columns(m, active, n_active)) {
         status = run_pieces(m, s, starts, active, n_active, most, weights);
         free(active);
         return status;
