@@ -209,8 +209,13 @@ static int run_experts(const moe_experts *m, const moe_step *s, const int64_t *s
     const int64_t slots = starts[m->n_experts];
     for (int64_t i = 0; i < slots; i++)
         memcpy(s->x + i * m->dim, x + s->order[i] / m->top_k * m->dim, sizeof(uint16_t) * m->dim);
+    /* Experts of equal slot counts that the threads share evenly (one stream: k experts of
+     * one row) stay whole: pieces would only add a barrier and restart more streams. */
+    int even = n_active % omp_get_max_threads() == 0;
+    for (int64_t i = 0; i < n_active; i++)
+        even &= starts[active[i] + 1] - starts[active[i]] == most;
     int status = 0;
-    if (n_active > 0 && by_columns(m, active, n_active)) {
+    if (n_active > 0 && !even && by_columns(m, active, n_active)) {
         status = run_pieces(m, s, starts, active, n_active, most, weights);
         free(active);
         return status;
