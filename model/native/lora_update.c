@@ -18,6 +18,7 @@
  * per-projection stacks, where the slots lie side by side. Both hold the same values in
  * the same shapes, so a row's update is the same bits whichever it reads.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -28,9 +29,10 @@
 /* Output columns per item of the expand: long runs along each row of B^T, for the
  * prefetchers, and one accumulator row that stays in L1. */
 #define COLUMNS 256
-/* Below this many weights an update stays on the calling thread. The team is awake (the
- * base product just ran on it): one adapter row's update of the default model shared by
- * two threads took its step from +21% to +18% of the base's (docs/adapters.md). */
+/* Below this many weights (or with a team of one, where the region alone costs) an update
+ * stays on the calling thread. The team is awake (the base product just ran on it): one
+ * adapter row's update of the default model shared by two threads took 0.1-0.15 ms off a
+ * step of about 5 (docs/adapters.md). */
 #define PARALLEL_WEIGHTS 16384
 
 /* x . a (both bf16) over k, in LANES fp32 partial sums: the same order for every row. */
@@ -150,7 +152,7 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt,
         w.bt = w.a + width * k;
         w.a_stride = w.bt_stride = step->block_stride;
     }
-    if (groups > 0 && weights >= PARALLEL_WEIGHTS) {
+    if (groups > 0 && weights >= PARALLEL_WEIGHTS && omp_get_max_threads() > 1) {
 #pragma omp parallel
         passes(&w);
     } else if (groups > 0) {
