@@ -26,9 +26,11 @@
 #include "lora_step.h"
 
 #define LANES 16
-/* Output columns per item of the expand: long runs along each row of B^T, for the
- * prefetchers, and one accumulator row that stays in L1. */
-#define COLUMNS 256
+/* Output columns per item of the expand: runs along each row of B^T, and one accumulator
+ * row that stays in L1. 64 rather than 256: a 576-column projection then splits 5 to 4
+ * between two threads rather than 512 columns to 64 (one adapter row's step of the default
+ * model 0.05-0.18 ms faster on two threads, eight adapters' 0.5% faster; docs/adapters.md). */
+#define COLUMNS 64
 /* Below this many weights (or with a team of one, where the region alone costs) an update
  * stays on the calling thread. The team is awake (the base product just ran on it): one
  * adapter row's update of the default model shared by two threads took 0.1-0.15 ms off a
@@ -114,7 +116,7 @@ static void passes(const update *w) {
 }
 
 /* int64 entries of a step's bookkeeping that live on the stack; more take one malloc. */
-#define ON_STACK 1024
+#define ON_STACK 2048
 
 int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt,
                 int64_t block_offset, int64_t n_targets, const int64_t *sizes,
