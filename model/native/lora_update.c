@@ -3,9 +3,9 @@
  * by slot, as punica and S-LoRA group them, so that each resident adapter's A and B are
  * read once per step however many of its rows the step holds.
  *
- * Two passes, shared among the OpenMP team unless the adapters are tiny (the team is awake:
- * the base product just ran on it): the shrink u = x A^T (one item per slot and row of A) and the expand
- * y += u B^T (one item per slot and block of output columns, within one target). Each
+ * Two passes, shared among the OpenMP team when the step's adapters are large enough: the
+ * shrink u = x A^T (one item per slot and row of A) and the expand y += u B^T (one item
+ * per slot and block of output columns, within one target). Each
  * value is summed in one fixed order whatever the other rows are (the shrink in 16 lanes
  * by position in the row, the expand over the rank in order), so a row's update never
  * depends on its neighbours, and a row without an adapter is never written.
@@ -28,14 +28,14 @@
 #define LANES 16
 /* Output columns per item of the expand: runs along each row of B^T, and one accumulator
  * row that stays in L1. 64 rather than 256: a 576-column projection then splits 5 to 4
- * between two threads rather than 512 columns to 64 (one adapter row's step of the default
- * model 0.05-0.18 ms faster on two threads, eight adapters' 0.5% faster; docs/adapters.md). */
+ * between two threads rather than 512 columns to 64. */
 #define COLUMNS 64
-/* Below this many weights (or with a team of one, where the region alone costs) an update
- * stays on the calling thread. The team is awake (the base product just ran on it): one
- * adapter row's update of the default model shared by two threads took 0.1-0.15 ms off a
- * step of about 5 (docs/adapters.md). */
-#define PARALLEL_WEIGHTS 16384
+/* Below this many weights (or with a team of one) an update stays on the calling thread:
+ * one rank-16 adapter's row on a model of SmolLM2-135M's size (18k to 68k weights a call).
+ * Shared, its two barriers a call cost more than they gained whenever the other core was
+ * busy (a step 0.25 ms slower; 0.1 ms faster on an idle machine); eight adapters' updates
+ * (147k and up) gained 2-3% shared (docs/adapters.md). */
+#define PARALLEL_WEIGHTS 131072
 
 /* x . a (both bf16) over k, in LANES fp32 partial sums: the same order for every row. */
 static float dot(const uint16_t *x, const uint16_t *a, int64_t k) {
