@@ -179,10 +179,15 @@ def test_a_quantised_base_on_the_c_decoder_layer_adds_the_update_there(tmp_path)
     assert all(torch.equal(later.bt[key], bt) for key, bt in slots.bt.items())
     assert all(torch.equal(later.a16[key], a) for key, a in slots.a16.items())
     assert all(a.dtype == torch.bfloat16 for a in (*slots.a16.values(), *slots.bt.values()))
+    assert torch.equal(later.blocks, slots.blocks)
     base_alone = mixed_logits(ours, [-1, -1, -1])
     got = mixed_logits(ours, [1, -1, 1])
     assert torch.equal(got[1], base_alone[1])
     assert torch.equal(mixed_logits(ours, [1, 1, -1])[0], got[0])
+    # Beside another slot's rows, the update reads the stacks rather than the slot's block.
+    slots.load(0, adapter)
+    assert torch.equal(mixed_logits(ours, [1, 0, -1])[0], got[0])
+    slots.clear(0)
     for stack in (*slots.a.values(), *slots.b.values()):
         stack.copy_(stack.to(torch.bfloat16))  # the values the C layer holds
     for layer in layers:

@@ -2,7 +2,7 @@
 against PyTorch's grouped products over the padded, block-diagonal stacks (what
 model/lora/slots.py's `apply` computes) on the same bf16-rounded A and B the C layer holds:
 adapter rows within bf16's rounding of it, base rows untouched, each adapter row the same bits
-alone as beside others."""
+alone (its slot's own block read) as beside others (the stacks read)."""
 
 import ctypes
 
@@ -41,17 +41,29 @@ def stacks():
     return a, b, bt, x, y
 
 
-def c_update(isa: str, stacks, rows: list[int]) -> torch.Tensor:
+def slot_blocks(stacks) -> torch.Tensor:
+    """Each slot's A then B^T in one block, after some other projection's copies (OFFSET
+    elements), as model/lora/slots.py lays them out."""
+    a, _, bt, _, _ = stacks
+    a16 = a.to(torch.bfloat16).flatten(1)
+    return torch.cat([torch.full((len(RANKS), OFFSET), 7.0).bfloat16(), a16, bt.flatten(1)], 1)
+
+
+OFFSET = 40
+
+
+def c_update(isa: str, stacks, rows: list[int], blocks: torch.Tensor | None = None) -> torch.Tensor:
     a, _, bt, x, y = stacks
     function = library_at(isa).lora_update
-    function.argtypes = [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]
-    step = NativeLoraStep(torch.tensor(RANKS), MAX_RANK)
+    function.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]
+    blocks = slot_blocks(stacks) if blocks is None else blocks
+    step = NativeLoraStep(torch.tensor(RANKS), MAX_RANK, blocks)
     step.begin(torch.tensor([ROW_SLOTS[r] for r in rows]))
     sizes = torch.tensor(SIZES)
     xs, out = x[rows].contiguous(), y[rows].contiguous()
     a16 = a.to(torch.bfloat16)  # exact: every value of `a` is a bf16
     status = function(
-        step.pointer, a16.data_ptr(), bt.data_ptr(), len(SIZES), sizes.data_ptr(),
+        step.pointer, a16.data_ptr(), bt.data_ptr(), OFFSET, len(SIZES), sizes.data_ptr(),
         xs.data_ptr(), K, out.data_ptr(), len(rows), out.shape[1], K,
     )  # fmt: skip
     assert status == 0
@@ -73,3 +85,13 @@ def test_the_update_matches_the_grouped_products(isa, stacks):
         assert (got[r] != want).float().mean() < 0.05  # most bits agree
         assert not torch.equal(got[r], y[r]) or RANKS[slot] == 0
         assert torch.equal(c_update(isa, stacks, [r])[0], got[r])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_rows_of_one_slot_read_its_block_and_of_several_the_stacks(isa, stacks):
+    _, _, _, _, y = stacks
+    zeros = torch.zeros_like(slot_blocks(stacks))
+    # Rows of slot 2 alone (with a base row): read from the (zeroed) block, left unchanged.
+    assert torch.equal(c_update(isa, stacks, [0, 1, 3], zeros), y[[0, 1, 3]])
+    # Beside slot 0's rows: read from the stacks, the same bits as with the true block.
+    assert torch.equal(c_update(isa, stacks, [0, 2], zeros), c_update(isa, stacks, [0, 2]))

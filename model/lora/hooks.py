@@ -62,11 +62,12 @@ def _use_native(model: nn.Module, slots: LoraSlots) -> NativeLoraStep | None:
     if not layers:
         return None
     slots.use_transposed()
-    step = NativeLoraStep(slots.ranks, slots.max_rank)
+    step = NativeLoraStep(slots.ranks, slots.max_rank, slots.blocks)
     for index, layer in layers:
         a = [slots.a16[index, fused] for fused in FUSED]
         bt = [slots.bt[index, fused] for fused in FUSED]
-        layer.native.use_lora(a, bt, step)
+        offsets = [slots.block_offsets[index, fused] for fused in FUSED]
+        layer.native.use_lora(a, bt, offsets, step)
     return step
 
 

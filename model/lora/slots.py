@@ -50,6 +50,14 @@ class LoraSlots:
         # block-diagonal zeros; empty where no layer runs there.
         self.a16: dict[tuple[int, str], torch.Tensor] = {}
         self.bt: dict[tuple[int, str], torch.Tensor] = {}
+        # The same bf16 copies again, each slot's in one block [slots, elements] in the
+        # order a step reads them (layer by layer: Q/K/V, O, gate/up, down, each A then
+        # B^T), and where each (layer, projection)'s A starts in it: a step whose adapter
+        # rows all use one slot streams one run of memory, which the C layer reads faster
+        # than the same bytes in 120 stacks; a step of several slots reads the stacks, where
+        # the slots lie side by side (docs/adapters.md, what it costs).
+        self.blocks: torch.Tensor | None = None
+        self.block_offsets: dict[tuple[int, str], int] = {}
         self.ranks = torch.zeros(max_loras, dtype=torch.int64)  # each slot's largest rank
         for layer in range(config.n_layers):
             for fused, targets in FUSED.items():
@@ -74,7 +82,8 @@ class LoraSlots:
         return sum(t.nbytes for t in self._stacks())
 
     def _stacks(self) -> tuple[torch.Tensor, ...]:
-        return (*self.a.values(), *self.b.values(), *self.a16.values(), *self.bt.values())
+        blocks = () if self.blocks is None else (self.blocks,)
+        return (*self.a.values(), *self.b.values(), *self.a16.values(), *self.bt.values(), *blocks)
 
     def use_transposed(self) -> None:
         """Keeps each A and B also in bf16 on the CPU as the C decoder layer's update
@@ -92,6 +101,22 @@ class LoraSlots:
                 bt[:, :, start:end] = block.transpose(1, 2).cpu()
             self.bt[key] = bt
             self.a16[key] = self.a[key].to(device="cpu", dtype=torch.bfloat16)
+        if self.blocks is None:
+            start = 0
+            for key in self.bt:  # (layer, fused) in the order the layers read them
+                self.block_offsets[key] = start
+                start += self.a16[key][0].numel() + self.bt[key][0].numel()
+            self.blocks = torch.zeros(self.max_loras, start, dtype=torch.bfloat16)
+            for slot in range(self.max_loras):
+                self._fill_block(slot)
+
+    def _fill_block(self, slot: int) -> None:
+        """Copies `slot`'s bf16 stacks into its block."""
+        assert self.blocks is not None
+        for key, start in self.block_offsets.items():
+            a, bt = self.a16[key][slot], self.bt[key][slot]
+            self.blocks[slot, start : start + a.numel()] = a.flatten()
+            self.blocks[slot, start + a.numel() : start + a.numel() + bt.numel()] = bt.flatten()
 
     def load(self, slot: int, adapter: LoraAdapter) -> None:
         """Writes `adapter` into `slot`, replacing whatever was there."""
@@ -111,6 +136,8 @@ class LoraSlots:
                 if self.bt:
                     self.a16[layer, fused][slot, index * r : index * r + rank] = a
                     self.bt[layer, fused][slot, :rank, start:end] = b.T
+        if self.blocks is not None:
+            self._fill_block(slot)
         self.ranks[slot] = adapter.max_rank
 
     def clear(self, slot: int) -> None:

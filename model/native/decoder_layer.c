@@ -110,8 +110,10 @@ typedef struct {
     const float *sinks;     /* gpt-oss: [n_heads] fp32 logits in each softmax's denominator */
     /* LoRA adapters (model/lora/slots.py), per fused projection (qkv, o, gate_up, down): the
      * slots' A [slots, targets * max_rank, in] and B^T [slots, max_rank, out], bf16; NULL
-     * without adapters. `lora`: the step's rows and slots, shared by every layer. */
+     * without adapters; where the same copies lie in each slot's block (lora_step.h).
+     * `lora`: the step's rows and slots, shared by every layer. */
     const uint16_t *lora_a[4], *lora_bt[4];
+    int64_t lora_block_offset[4];
     const lora_step *lora;
     /* A mixture of experts' layer (ffn 0): its norm, router and experts (moe_router.c), run
      * after attention's residual; NULL: the caller runs them. */
@@ -135,8 +137,8 @@ static int project(const decoder_layer *l, int which, const uint16_t *x, int64_t
     const int64_t ffn_sizes[2] = {l->ffn, l->ffn}, whole[1] = {n_out};
     const int64_t *sizes = which == QKV ? qkv_sizes : which == GATE_UP ? ffn_sizes : whole;
     const int64_t n_targets = which == QKV ? 3 : which == GATE_UP ? 2 : 1;
-    return lora_update(l->lora, l->lora_a[which], l->lora_bt[which], n_targets, sizes, x,
-                       x_stride, y, rows, n_out, k);
+    return lora_update(l->lora, l->lora_a[which], l->lora_bt[which], l->lora_block_offset[which],
+                       n_targets, sizes, x, x_stride, y, rows, n_out, k);
 }
 
 static inline uint16_t add_bf16(uint16_t a, uint16_t b) {

@@ -80,6 +80,7 @@ class _DecoderLayer(ctypes.Structure):
         ("sinks", _PTR),
         ("lora_a", _PTR * 4),
         ("lora_bt", _PTR * 4),
+        ("lora_block_offset", _I64 * 4),
         ("lora", _PTR),
         ("moe", _PTR),
     ]
@@ -151,10 +152,17 @@ class NativeDecoderLayer:
         self.moe = experts  # referenced while the struct points into it
         self._struct.moe = pointer if experts is not None else None
 
-    def use_lora(self, a: list[torch.Tensor], bt: list[torch.Tensor], step: NativeLoraStep) -> None:
+    def use_lora(
+        self,
+        a: list[torch.Tensor],
+        bt: list[torch.Tensor],
+        block_offsets: list[int],
+        step: NativeLoraStep,
+    ) -> None:
         """Adds the update of each adapter row after every projection: `a` and `bt` the
         resident slots' A and B^T stacks of Q/K/V, O, gate/up and down
-        (model/lora/slots.py's copies, bf16 contiguous), `step` the rows every layer reads."""
+        (model/lora/slots.py's copies, bf16 contiguous), `block_offsets` where the same
+        copies lie in each slot's block (`step`'s), `step` the rows every layer reads."""
         assert all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in a + bt)
         # Referenced while the struct points into them; an earlier table's are let go.
         self._lora_tensors = [*a, *bt]
@@ -162,6 +170,7 @@ class NativeDecoderLayer:
         for i, (a_stack, bt_stack) in enumerate(zip(a, bt, strict=True)):
             self._struct.lora_a[i] = a_stack.data_ptr()
             self._struct.lora_bt[i] = bt_stack.data_ptr()
+            self._struct.lora_block_offset[i] = block_offsets[i]
         self._struct.lora = step.pointer
         self.lora = True
 

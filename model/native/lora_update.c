@@ -3,17 +3,22 @@
  * by slot, as punica and S-LoRA group them, so that each resident adapter's A and B are
  * read once per step however many of its rows the step holds.
  *
- * Two passes, shared among the OpenMP team when the adapters are large enough to pay for
- * waking it: the shrink u = x A^T (one item per slot and row of A) and the expand
- * y += u B^T (one item per slot and block of output columns, within one target). Each
+ * Two passes, shared among the OpenMP team when the step's adapters are large enough: the
+ * shrink u = x A^T (one item per slot and row of A) and the expand y += u B^T (one item
+ * per slot and block of output columns, within one target). Each
  * value is summed in one fixed order whatever the other rows are (the shrink in 16 lanes
  * by position in the row, the expand over the rank in order), so a row's update never
  * depends on its neighbours, and a row without an adapter is never written.
  *
  * A and B^T are bf16 (model/lora/slots.py's copies for this layer): the step is bound by
  * the bytes it reads, and the update's are half those of fp32. Each weight is widened to
- * fp32 as it is read (a shift, which vectorises) and every sum stays in fp32.
+ * fp32 as it is read (a shift, which vectorises) and every sum stays in fp32. A step whose
+ * adapter rows all use one slot reads that slot's copies from its own block (every layer's,
+ * in the order a step reads them: one run of memory); a step of several slots reads the
+ * per-projection stacks, where the slots lie side by side. Both hold the same values in
+ * the same shapes, so a row's update is the same bits whichever it reads.
  */
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -21,11 +26,16 @@
 #include "lora_step.h"
 
 #define LANES 16
-/* Output columns per item of the expand: long runs along each row of B^T, for the
- * prefetchers, and one accumulator row that stays in L1. */
-#define COLUMNS 256
-/* Below this many weights an update is cheaper on one thread than waking the team. */
-#define PARALLEL_WEIGHTS 262144
+/* Output columns per item of the expand: runs along each row of B^T, and one accumulator
+ * row that stays in L1. 64 rather than 256: a 576-column projection then splits 5 to 4
+ * between two threads rather than 512 columns to 64. */
+#define COLUMNS 64
+/* Below this many weights (or with a team of one) an update stays on the calling thread:
+ * one rank-16 adapter's row on a model of SmolLM2-135M's size (18k to 68k weights a call).
+ * Shared, its two barriers a call cost more than they gained whenever the other core was
+ * busy (a step 0.25 ms slower; 0.1 ms faster on an idle machine); eight adapters' updates
+ * (147k and up) gained 2-3% shared (docs/adapters.md). */
+#define PARALLEL_WEIGHTS 131072
 
 /* x . a (both bf16) over k, in LANES fp32 partial sums: the same order for every row. */
 static float dot(const uint16_t *x, const uint16_t *a, int64_t k) {
@@ -106,11 +116,12 @@ static void passes(const update *w) {
 }
 
 /* int64 entries of a step's bookkeeping that live on the stack; more take one malloc. */
-#define ON_STACK 1024
+#define ON_STACK 2048
 
-int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, int64_t n_targets,
-                const int64_t *sizes, const uint16_t *x, int64_t x_stride, uint16_t *y,
-                int64_t rows, int64_t n_out, int64_t k) {
+int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt,
+                int64_t block_offset, int64_t n_targets, const int64_t *sizes,
+                const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t rows, int64_t n_out,
+                int64_t k) {
     if (step == NULL || step->row_slots == NULL || a == NULL || bt == NULL || rows <= 0) return 0;
     const int64_t rank_max = step->max_rank, width = n_targets * rank_max;
     int64_t blocks = 0;
@@ -131,14 +142,19 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt, in
         }
     int64_t weights = 0;
     for (int64_t g = 0; g < groups; g++) weights += step->ranks[slot[g]] * (n_targets * k + n_out);
-    const update w = {
+    update w = {
         step, a, bt, x, y, sizes, order, first, slot, block_target, block_start,
         (float *)(block_start + blocks + 1),
         width * k,
         rank_max * n_out,
         x_stride, width, n_out, k, groups, blocks,
     };
-    if (groups > 0 && weights >= PARALLEL_WEIGHTS) {
+    if (groups == 1 && step->blocks != NULL) { /* one slot's rows: its own block */
+        w.a = step->blocks + block_offset;
+        w.bt = w.a + width * k;
+        w.a_stride = w.bt_stride = step->block_stride;
+    }
+    if (groups > 0 && weights >= PARALLEL_WEIGHTS && omp_get_max_threads() > 1) {
 #pragma omp parallel
         passes(&w);
     } else if (groups > 0) {
