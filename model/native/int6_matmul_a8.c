@@ -10,8 +10,10 @@
  * number of rows.
  *
  * AVX2: vpmaddubsw multiplies a step's unsigned q (0..63) by a broadcast pair of xq into
- * 16-bit sums, the -32 offset added as -32 times the four xq's sum; two steps' sums stay
- * within 2 * 4 * 32 * 127 = 32512 < 2^15. vpmaddwd by c, masked to the even (odd) 16-bit
+ * 16-bit sums, the -32 offset added as -32 times the eight xq's sum of two steps at once
+ * (the sum's start: one broadcast where each step took one and an add); two steps' sums
+ * stay within 2 * 4 * 32 * 127 = 32512 < 2^15, and 16-bit adds wrap, so the order of the
+ * terms leaves the sum's bits as they were. vpmaddwd by c, masked to the even (odd) 16-bit
  * lanes, widens them to 32 bits and applies c at once: lane j holds column 2 j (2 j + 1).
  * AVX-512 builds take the same loop (auto takes int8 activations only where there are no
  * bf16 products); other CPUs a portable one.
@@ -79,10 +81,10 @@ static inline __attribute__((always_inline)) void tile_block(
             const int64_t at = g * SUPER + b * SUB; /* the sub-block's first K */
             for (int m = 0; m < rows; m++) {
                 const int8_t *xs = xq + m * k + at;
-                const int16_t *os = offsets + m * (k / 4) + at / 4;
+                const int16_t *os = offsets + m * (k / 8) + at / 8;
                 __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
                 for (int two = 0; two < 2; two++) {
-                    __m256i acc = _mm256_setzero_si256();
+                    __m256i acc = _mm256_set1_epi16(os[two]);
                     for (int s = 2 * two; s < 2 * two + 2; s++) {
                         int16_t pair01, pair23;
                         memcpy(&pair01, xs + 4 * s, 2);
@@ -90,7 +92,7 @@ static inline __attribute__((always_inline)) void tile_block(
                         const __m256i sum = _mm256_add_epi16(
                             _mm256_maddubs_epi16(lo[s], _mm256_set1_epi16(pair01)),
                             _mm256_maddubs_epi16(hi[s], _mm256_set1_epi16(pair23)));
-                        acc = _mm256_add_epi16(acc, _mm256_add_epi16(sum, _mm256_set1_epi16(os[s])));
+                        acc = _mm256_add_epi16(acc, sum);
                     }
                     even = _mm256_add_epi32(even, _mm256_madd_epi16(acc, c_even));
                     odd = _mm256_add_epi32(odd, _mm256_madd_epi16(acc, c_odd));
@@ -185,10 +187,14 @@ static inline void tile_block(const int8_t *xq, const int16_t *offsets, int64_t 
 const char *int6_matmul_a8_kind(void) { return INT6_A8_KERNEL; }
 const char *int6_logits_a8_kind(void) { return INT6_A8_KERNEL; }
 
-/* -32 times each four xq's sum, the offset of the q a step's products take. */
+/* -32 times each eight xq's sum (|.| <= 32512), the offset of the q two steps' products
+ * take. */
 static void step_offsets(const int8_t *xq, int64_t n, int16_t *offsets) {
-    for (int64_t j = 0; j < n / 4; j++)
-        offsets[j] = (int16_t)(-32 * (xq[4 * j] + xq[4 * j + 1] + xq[4 * j + 2] + xq[4 * j + 3]));
+    for (int64_t j = 0; j < n / 8; j++) {
+        int sum = 0;
+        for (int i = 0; i < 8; i++) sum += xq[8 * j + i];
+        offsets[j] = (int16_t)(-32 * sum);
+    }
 }
 
 /* x [rows, x_stride] bf16; w, scales as int6_matmul.c's for n_out columns; y [rows, n_out]
@@ -203,7 +209,7 @@ static int int6_matmul_a8(const uint16_t *x, int64_t x_stride, const uint8_t *w,
     int8_t *xq;
     group_constants *c;
     if (quantise_rows(x, x_stride, rows, k, 1, &xq, &c)) return 2;
-    int16_t *offsets = malloc(sizeof(int16_t) * (rows > 0 ? rows : 1) * (k / 4));
+    int16_t *offsets = malloc(sizeof(int16_t) * (rows > 0 ? rows : 1) * (k / 8));
     if (offsets == NULL) {
         free(xq);
         free(c);
@@ -211,7 +217,7 @@ static int int6_matmul_a8(const uint16_t *x, int64_t x_stride, const uint8_t *w,
     }
     step_offsets(xq, rows * k, offsets);
 #define SINGLE(r)                                                                           \
-    tile_block(xq + m0 * k, offsets + m0 * (k / 4), k, c + m0 * (k / GROUP), supers,         \
+    tile_block(xq + m0 * k, offsets + m0 * (k / 8), k, c + m0 * (k / GROUP), supers,         \
                w + t * tile_bytes, scales + t * tile_scales,                                 \
                (char *)y + (m0 * n_out + t * TILE) * width, n_out, r, f32_out)
     FOR_TILES_AND_ROW_BLOCKS(tiles, rows, SINGLE)

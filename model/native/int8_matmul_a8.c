@@ -75,58 +75,24 @@ static inline __attribute__((always_inline)) void tile_block(
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 
-/* Eight columns (`half` of a tile) for `rows` rows: per step, 16 bytes widened to 16-bit
- * once for all the rows, then one vpmaddwd and one add a row. */
-static inline __attribute__((always_inline)) void half_tile(
-    const int32_t *xp, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
-    const uint16_t *scales, void *y, int64_t y_stride, const int rows, const int half,
-    const int f32_out) {
-    __m256 total[ROW_BLOCK];
-    for (int m = 0; m < rows; m++) total[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *wg = w + g * TILE * GROUP + 16 * half;
-        if (rows >= PREFETCH_ROWS && half == 0)
-            prefetch_ahead(w, g * TILE * GROUP, TILE * GROUP, groups * TILE * GROUP);
-        __m256i dot[ROW_BLOCK];
-        for (int m = 0; m < rows; m++) dot[m] = _mm256_setzero_si256();
-        for (int p = 0; p < GROUP / 2; p++) {
-            const __m256i w16 =
-                _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(wg + STEP_BYTES * p)));
-            for (int m = 0; m < rows; m++)
-                dot[m] = _mm256_add_epi32(
-                    dot[m], _mm256_madd_epi16(w16, _mm256_set1_epi32(
-                                                       xp[m * (k / 2) + g * (GROUP / 2) + p])));
-        }
-        const __m256 scale =
-            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(scales + g * TILE + 8 * half)));
-        for (int m = 0; m < rows; m++) {
-            const __m256 part =
-                _mm256_mul_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_set1_ps(c[m * groups + g].d));
-            total[m] = _mm256_fmadd_ps(part, scale, total[m]);
-        }
-    }
-    for (int m = 0; m < rows; m++) {
-        float out[8];
-        _mm256_storeu_ps(out, total[m]);
-        for (int i = 0; i < 8; i++) store(y, m * y_stride + 8 * half + i, out[i], !f32_out);
-    }
-}
-
-/* The whole tile in one pass for up to WHOLE_TILE_ROWS rows: each broadcast pair of xq
- * serves both halves. The same operations, in the same order, as half_tile's for each
- * column. One-row products of 2048 x 1536 took 0.25 -> 0.18 ms against two half-tile passes
- * (one thread, weights from memory), three rows 0.39 -> 0.29, four about the same; at 5
- * and 8 rows, whose accumulators no longer fit in registers, half tiles were 10% and 6%
- * faster. */
+/* The whole tile in one pass for up to WHOLE_TILE_ROWS rows: per step, 32 bytes widened to
+ * 16-bit once for all the rows, then each row's broadcast pair of xq serves both halves
+ * (one vpmaddwd and one add a half). One-row products of 2048 x 1536 took 0.25 -> 0.18 ms
+ * against two passes of half a tile each (one thread, weights from memory), three rows
+ * 0.39 -> 0.29, four about the same; at 5 and 8 rows in one pass, whose accumulators no
+ * longer fit in registers, half tiles were 10% and 6% faster, and passes of three rows
+ * (tile_block) faster still. With `prefetch`, asks for the weights ahead as tiles.h says. */
 #define WHOLE_TILE_ROWS 4
 
 static inline __attribute__((always_inline)) void whole_tile(
     const int32_t *xp, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
-    const uint16_t *scales, void *y, int64_t y_stride, const int rows, const int f32_out) {
+    const uint16_t *scales, void *y, int64_t y_stride, const int rows, const int f32_out,
+    const int prefetch) {
     __m256 total[WHOLE_TILE_ROWS][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; g++) {
         const uint8_t *wg = w + g * TILE * GROUP;
+        if (prefetch) prefetch_ahead(w, g * TILE * GROUP, TILE * GROUP, groups * TILE * GROUP);
         __m256i dot[WHOLE_TILE_ROWS][2];
         for (int m = 0; m < rows; m++) dot[m][0] = dot[m][1] = _mm256_setzero_si256();
         for (int p = 0; p < GROUP / 2; p++) {
@@ -158,15 +124,35 @@ static inline __attribute__((always_inline)) void whole_tile(
     }
 }
 
+/* Whole tiles for rows m0 .. m0 + rows - 1 of a block; the first pass prefetches. */
+static inline __attribute__((always_inline)) void whole_tile_from(
+    const int32_t *xp, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
+    const uint16_t *scales, void *y, int64_t y_stride, const int m0, const int rows,
+    const int f32_out) {
+    whole_tile(xp + m0 * (k / 2), k, c + m0 * groups, groups, w, scales,
+               (char *)y + m0 * y_stride * (f32_out ? 4 : 2), y_stride, rows, f32_out, m0 == 0);
+}
+
+/* Five to eight rows in whole-tile passes of three (3 + 2, 3 + 3, 3 + 3 + 1, 3 + 3 + 2): the
+ * weights widened once a pass and each broadcast pair of xq serving both halves beat half
+ * tiles, whose accumulators fit for all eight rows but which broadcast each pair twice. One
+ * thread, 2048 x 1536 from cache, AVX-512 EPYC in the AVX2 build: 8 rows 0.56 -> 0.39 ms,
+ * 128 rows 9.0 -> 6.4 ms, 5 rows 0.27 -> 0.25; passes of four (spilling) and of two were
+ * slower than of three. */
 static inline __attribute__((always_inline)) void tile_block(
     const int32_t *xp, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
     const uint16_t *scales, void *y, int64_t y_stride, const int rows, const int f32_out) {
     if (rows <= WHOLE_TILE_ROWS) {
-        whole_tile(xp, k, c, groups, w, scales, y, y_stride, rows, f32_out);
+        whole_tile(xp, k, c, groups, w, scales, y, y_stride, rows, f32_out, 0);
         return;
     }
-    for (int half = 0; half < 2; half++)
-        half_tile(xp, k, c, groups, w, scales, y, y_stride, rows, half, f32_out);
+    whole_tile_from(xp, k, c, groups, w, scales, y, y_stride, 0, 3, f32_out);
+    if (rows <= 6) {
+        whole_tile_from(xp, k, c, groups, w, scales, y, y_stride, 3, rows - 3, f32_out);
+        return;
+    }
+    whole_tile_from(xp, k, c, groups, w, scales, y, y_stride, 3, 3, f32_out);
+    whole_tile_from(xp, k, c, groups, w, scales, y, y_stride, 6, rows - 6, f32_out);
 }
 #define INT8_A8_KERNEL "avx2"
 
