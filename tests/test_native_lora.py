@@ -95,3 +95,63 @@ def test_rows_of_one_slot_read_its_block_and_of_several_the_stacks(isa, stacks):
     assert torch.equal(c_update(isa, stacks, [0, 1, 3], zeros), y[[0, 1, 3]])
     # Beside slot 0's rows: read from the stacks, the same bits as with the true block.
     assert torch.equal(c_update(isa, stacks, [0, 2], zeros), c_update(isa, stacks, [0, 2]))
+
+
+# int4's tiles of 16 columns: target widths that cut across them and the threads' shares.
+K4, SIZES4 = 96, [80, 32, 48]
+
+
+def int4_case(isa: str, rows: list[int], fused: bool) -> torch.Tensor:
+    """An int4 product then the update: lora_int4_matmul in one call (`fused`), or
+    int4_matmul then lora_update."""
+    from model.native.ops import NativeInt4Matmul
+
+    g = torch.Generator().manual_seed(1)
+    n_out, width = sum(SIZES4), len(SIZES4) * MAX_RANK
+    q = torch.randint(0, 16, (n_out, K4), generator=g, dtype=torch.uint8)
+    scales = (torch.rand(K4 // 32, n_out, 2, generator=g) / 8).to(torch.bfloat16)
+    w4, sz4 = NativeInt4Matmul.pack(q, scales)
+    a = (torch.randn(len(RANKS), width, K4, generator=g) / 8).to(torch.bfloat16)
+    bt = (torch.randn(len(RANKS), MAX_RANK, n_out, generator=g) / 4).to(torch.bfloat16)
+    blocks = torch.cat([torch.zeros(len(RANKS), OFFSET).bfloat16(), a.flatten(1), bt.flatten(1)], 1)
+    step = NativeLoraStep(torch.tensor(RANKS), MAX_RANK, blocks)
+    step.begin(torch.tensor([(ROW_SLOTS * 3)[r] for r in rows]))
+    x = torch.randn(len(rows), K4, generator=g).to(torch.bfloat16)
+    y, sizes = torch.empty(len(rows), n_out, dtype=torch.bfloat16), torch.tensor(SIZES4)
+    library = library_at(isa)
+    head = (step.pointer, a.data_ptr(), bt.data_ptr(), OFFSET, len(SIZES4), sizes.data_ptr())
+    if fused:
+        function = library.lora_int4_matmul
+        function.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR] + [_PTR, _I64, _PTR, _PTR]
+        function.argtypes += [_PTR, _I64, _I64, _I64]
+        tail = (y.data_ptr(), len(rows), n_out, K4)
+        assert function(*head, x.data_ptr(), K4, w4.data_ptr(), sz4.data_ptr(), *tail) == 0
+        return y
+    product = library.int4_matmul_bf16
+    product.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+    weights = (w4.data_ptr(), sz4.data_ptr())
+    assert product(x.data_ptr(), K4, *weights, y.data_ptr(), len(rows), n_out, K4) == 0
+    function = library.lora_update
+    function.argtypes = [_PTR, _PTR, _PTR, _I64, _I64, _PTR, _PTR, _I64, _PTR, _I64, _I64, _I64]
+    assert function(*head, x.data_ptr(), K4, y.data_ptr(), len(rows), n_out, K4) == 0
+    return y
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_the_update_inside_the_int4_product_is_the_same_bits(isa):
+    # Two threads (a team of one keeps the update apart), each expanding its own tiles'
+    # columns: three slots and base rows (the stacks), one slot's rows (its block), and past
+    # the rows the product's region takes the update into (after it, on its own).
+    library_at(isa)
+    try:
+        openmp = ctypes.CDLL("libgomp.so.1")  # the library's own OpenMP runtime, loaded
+    except OSError:
+        pytest.skip("the kernels' OpenMP runtime is not libgomp")
+    threads = openmp.omp_get_max_threads()
+    openmp.omp_set_num_threads(2)
+    try:
+        for rows in (list(range(7)), [0, 1, 3], list(range(17))):
+            fused, apart = int4_case(isa, rows, True), int4_case(isa, rows, False)
+            assert torch.equal(fused, apart)
+    finally:
+        openmp.omp_set_num_threads(threads)

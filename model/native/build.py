@@ -39,6 +39,7 @@ SOURCES = (
     "paged_decode_int8.c",
     "rms_norm.c",
     "int4_matmul.c",
+    "int4_pack.c",
     "int4_matmul_a8.c",
     "int5_matmul.c",
     "int5_matmul_a8.c",
@@ -59,6 +60,7 @@ SOURCES = (
 HEADERS = (
     "bf16.h",
     "tiles.h",
+    "int4_portable.h",
     "portable_group.h",
     "paged_pairs_avx512.h",
     "paged_pairs_avx2.h",

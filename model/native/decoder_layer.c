@@ -129,14 +129,19 @@ static int project(const decoder_layer *l, int which, const uint16_t *x, int64_t
                             : which == O ? &l->o
                             : which == GATE_UP ? &l->gate_up
                                                : &l->down;
-    int status = matmul(w, x, x_stride, y, rows, n_out, k);
-    if (status || l->lora == NULL || l->lora->row_slots == NULL || l->lora_a[which] == NULL)
-        return status;
+    if (l->lora == NULL || l->lora->row_slots == NULL || l->lora_a[which] == NULL)
+        return matmul(w, x, x_stride, y, rows, n_out, k);
     const int64_t kv = l->n_kv * l->head_dim;
     const int64_t qkv_sizes[3] = {l->n_heads * l->head_dim, kv, kv};
     const int64_t ffn_sizes[2] = {l->ffn, l->ffn}, whole[1] = {n_out};
     const int64_t *sizes = which == QKV ? qkv_sizes : which == GATE_UP ? ffn_sizes : whole;
     const int64_t n_targets = which == QKV ? 3 : which == GATE_UP ? 2 : 1;
+    if (w->kind == INT4) /* the update inside the product's parallel region */
+        return lora_int4_matmul(l->lora, l->lora_a[which], l->lora_bt[which],
+                                l->lora_block_offset[which], n_targets, sizes, x, x_stride,
+                                w->weight, w->scales, y, rows, n_out, k);
+    int status = matmul(w, x, x_stride, y, rows, n_out, k);
+    if (status) return status;
     return lora_update(l->lora, l->lora_a[which], l->lora_bt[which], l->lora_block_offset[which],
                        n_targets, sizes, x, x_stride, y, rows, n_out, k);
 }

@@ -174,52 +174,7 @@ static inline __attribute__((always_inline)) void tile_block(
 #define INT4_KERNEL "avx2"
 
 #else
-
-/* Portable version: each group of the tile is expanded to fp32 once per block of rows, and
- * the compiler vectorises the 16 columns. One row's sums are a call of their own, so that
- * fast math cannot order them differently for blocks of a different size. */
-static __attribute__((noinline)) void row_group(
-    const float wq[GROUP][TILE], const uint16_t *xg, const uint16_t *scale,
-    const uint16_t *zero, float xsum, float total[TILE]) {
-    float part[TILE] = {0};
-    for (int k = 0; k < GROUP; k++) {
-        const float xv = from_bf16(xg[k]);
-        for (int i = 0; i < TILE; i++) part[i] += xv * wq[k][i];
-    }
-    for (int i = 0; i < TILE; i++)
-        total[i] += part[i] * from_bf16(scale[i]) + xsum * from_bf16(zero[i]);
-}
-
-static inline void one_tile(
-    const uint16_t *x, int64_t x_stride, const float *xsum, int64_t groups,
-    const uint8_t *w, const uint16_t *sz, uint16_t *y, int64_t y_stride, const int rows) {
-    float total[ROW_BLOCK][TILE] = {{0}};
-    for (int64_t g = 0; g < groups; g++) {
-        float wq[GROUP][TILE];
-        const uint8_t *wg = w + g * (TILE * GROUP / 2);
-        for (int s = 0; s < GROUP / 4; s++)
-            for (int i = 0; i < TILE; i++)
-                for (int e = 0; e < 2; e++) {
-                    uint8_t byte = wg[32 * s + 2 * i + e];
-                    wq[4 * s + e][i] = (float)(byte & 15) - 8.0f;
-                    wq[4 * s + 2 + e][i] = (float)(byte >> 4) - 8.0f;
-                }
-        for (int m = 0; m < rows; m++)
-            row_group(wq, x + m * x_stride + g * GROUP, sz + g * 2 * TILE,
-                      sz + g * 2 * TILE + TILE, xsum[m * groups + g], total[m]);
-    }
-    for (int m = 0; m < rows; m++)
-        for (int i = 0; i < TILE; i++) y[m * y_stride + i] = to_bf16(total[m][i]);
-}
-static inline void tile_block(
-    const uint16_t *x, int64_t x_stride, const float *xf, const float *xsum, int64_t groups,
-    const uint8_t *w, int64_t tile_bytes, const uint16_t *sz, int64_t tile_scales,
-    uint16_t *y, int64_t y_stride, const int rows, const int tiles) {
-    (void)xf;
-    for (int j = 0; j < tiles; j++)
-        one_tile(x, x_stride, xsum, groups, w + j * tile_bytes, sz + j * tile_scales,
-                 y + j * TILE, y_stride, rows);
-}
+#include "int4_portable.h"
 #define INT4_KERNEL "portable"
 
 #endif
@@ -229,14 +184,12 @@ static inline void tile_block(
 
 const char *int4_matmul_kind(void) { return INT4_KERNEL; }
 
-/* x [rows, x_stride] bf16 (k contiguous); w, sz as above for n_out columns; y [rows,
- * n_out] bf16. n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0, or 2
- * when out of memory. */
-int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *sz,
-                     uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
-    const int64_t groups = k / GROUP, tiles = n_out / TILE;
-    /* Sum of each row's x over each group, for the zeros: w x summed = scale (q - 8) x
-     * summed + zero x summed. */
+/* Sum of each row's x over each group, for the zeros (w x summed = scale (q - 8) x summed +
+ * zero x summed), and the fp32 copy of x where the loop reads one. Returns 2 when out of
+ * memory, with nothing to free. */
+static int row_sums(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k, float **sums,
+                    float **fp32) {
+    const int64_t groups = k / GROUP;
     float *xsum = malloc(sizeof(float) * (rows > 0 ? rows : 1) * groups);
     float *xf = X_FP32 ? fp32_rows(x, x_stride, rows, k) : NULL;
     if (xsum == NULL || (X_FP32 && xf == NULL)) {
@@ -250,6 +203,59 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
             for (int64_t j = 0; j < GROUP; j++) total += from_bf16(x[m * x_stride + g * GROUP + j]);
             xsum[m * groups + g] = total;
         }
+    *sums = xsum;
+    *fp32 = xf;
+    return 0;
+}
+
+/* int4_matmul_bf16 at fewer than PAIRED_ROWS rows (tile by tile, each thread its share in
+ * order), with optional work around it in its parallel region: `before` (worksharing loops
+ * without a barrier) first, then each thread's tiles, one barrier, then `after` over the
+ * columns [c0, c1) of the calling thread's tiles, still in its cache. Returns 1 for more
+ * rows (nothing computed). */
+int int4_matmul_around_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                            const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n_out,
+                            int64_t k, void (*before)(const void *),
+                            void (*after)(const void *, int64_t, int64_t), const void *context) {
+    const int64_t groups = k / GROUP, tiles = n_out / TILE;
+    if (rows >= PAIRED_ROWS) return 1;
+    float *xsum, *xf;
+    if (row_sums(x, x_stride, rows, k, &xsum, &xf)) return 2;
+    const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
+#define SINGLE(n)                                                                          \
+    tile_block(x + m0 * x_stride, x_stride, X_FP32 ? xf + m0 * k : NULL, xsum + m0 * groups,   \
+               groups, w + t * tile_bytes, tile_bytes, sz + t * tile_scales, tile_scales,      \
+               y + m0 * n_out + t * TILE, n_out, n, 1)
+#pragma omp parallel
+    {
+        if (before != NULL) before(context);
+        const int64_t id = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t t0 = tiles * id / team, t1 = tiles * (id + 1) / team;
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
+                FOR_ROW_BLOCK(rows - m0, SINGLE)
+            }
+        if (after != NULL) {
+#pragma omp barrier
+            after(context, t0 * TILE, t1 * TILE);
+        }
+    }
+#undef SINGLE
+    free(xsum);
+    free(xf);
+    return 0;
+}
+
+/* x [rows, x_stride] bf16 (k contiguous); w, sz as above for n_out columns; y [rows,
+ * n_out] bf16. n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0, or 2
+ * when out of memory. */
+int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *sz,
+                     uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
+    if (rows < PAIRED_ROWS)
+        return int4_matmul_around_bf16(x, x_stride, w, sz, y, rows, n_out, k, NULL, NULL, NULL);
+    const int64_t groups = k / GROUP, tiles = n_out / TILE;
+    float *xsum, *xf;
+    if (row_sums(x, x_stride, rows, k, &xsum, &xf)) return 2;
     const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
 #define BLOCK(n, pair)                                                                     \
     tile_block(x + m0 * x_stride, x_stride, X_FP32 ? xf + m0 * k : NULL, xsum + m0 * groups,   \
@@ -260,39 +266,11 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
     /* Pairs pay where the products are the cost; a few rows stream the weights from
      * memory, one tile after the next (a step of one row took 2.45 ms of int4 products
      * for the default model tile by tile, 3.40 ms in pairs). */
-    if (rows >= PAIRED_ROWS) {
-        FOR_TILE_PAIRS_AND_ROW_BLOCKS(tiles, rows, PAIR, SINGLE)
-    } else {
-        FOR_TILES_AND_ROW_BLOCKS(tiles, rows, SINGLE)
-    }
+    FOR_TILE_PAIRS_AND_ROW_BLOCKS(tiles, rows, PAIR, SINGLE)
 #undef SINGLE
 #undef PAIR
 #undef BLOCK
     free(xsum);
     free(xf);
     return 0;
-}
-
-/* The layout above from q [n_out, k] (one value 0..15 a byte) and scales_and_zeros
- * [k / 32, n_out, 2] bf16: w gets k n_out / 2 bytes, tiled_sz 2 bf16 per (column, group). */
-void int4_pack(const uint8_t *q, const uint16_t *scales_and_zeros, int64_t n_out, int64_t k,
-               uint8_t *w, uint16_t *tiled_sz) {
-    const int64_t groups = k / GROUP, tiles = n_out / TILE;
-#pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < tiles; t++)
-        for (int64_t g = 0; g < groups; g++) {
-            uint8_t *out = w + (t * groups + g) * (TILE * GROUP / 2);
-            for (int s = 0; s < GROUP / 4; s++)
-                for (int i = 0; i < TILE; i++) {
-                    const uint8_t *row = q + (t * TILE + i) * k + g * GROUP + 4 * s;
-                    for (int e = 0; e < 2; e++)
-                        out[32 * s + 2 * i + e] = (uint8_t)((row[e] & 15) | (row[2 + e] & 15) << 4);
-                }
-            uint16_t *sz = tiled_sz + (t * groups + g) * 2 * TILE;
-            for (int i = 0; i < TILE; i++) {
-                const uint16_t *pair = scales_and_zeros + (g * n_out + t * TILE + i) * 2;
-                sz[i] = pair[0];
-                sz[TILE + i] = pair[1];
-            }
-        }
 }

@@ -31,4 +31,13 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt,
                 const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t rows, int64_t n_out,
                 int64_t k);
 
+/* The int4 base product (int4_matmul.c's layout: w4, sz4) into y, then lora_update's
+ * update, the same bits; an update small enough to stay on one thread runs inside the
+ * product's parallel region instead, shared by its threads. Returns 0, or 2 when out of
+ * memory. */
+int lora_int4_matmul(const lora_step *step, const uint16_t *a, const uint16_t *bt,
+                     int64_t block_offset, int64_t n_targets, const int64_t *sizes,
+                     const uint16_t *x, int64_t x_stride, const uint8_t *w4, const uint16_t *sz4,
+                     uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
+
 #endif

@@ -16,7 +16,9 @@
  * adapter rows all use one slot reads that slot's copies from its own block (every layer's,
  * in the order a step reads them: one run of memory); a step of several slots reads the
  * per-projection stacks, where the slots lie side by side. Both hold the same values in
- * the same shapes, so a row's update is the same bits whichever it reads.
+ * the same shapes, so a row's update is the same bits whichever it reads; and whether the
+ * expand's columns are cut by its items or by the threads' tiles of an int4 product, as
+ * each column is summed alone.
  */
 #include <omp.h>
 #include <stdint.h>
@@ -30,11 +32,13 @@
  * row that stays in L1. 64 rather than 256: a 576-column projection then splits 5 to 4
  * between two threads rather than 512 columns to 64. */
 #define COLUMNS 64
-/* Below this many weights (or with a team of one) an update stays on the calling thread:
- * one rank-16 adapter's row on a model of SmolLM2-135M's size (18k to 68k weights a call).
- * Shared, its two barriers a call cost more than they gained whenever the other core was
- * busy (a step 0.25 ms slower; 0.1 ms faster on an idle machine); eight adapters' updates
- * (147k and up) gained 2-3% shared (docs/adapters.md). */
+/* Below this many weights (or with a team of one) an update is not given a parallel region
+ * of its own: one rank-16 adapter's row on a model of SmolLM2-135M's size (18k to 68k
+ * weights a call). In a region of its own, its two barriers a call cost more than they
+ * gained whenever the other core was busy (a step 0.25 ms slower; 0.1 ms faster on an idle
+ * machine); after an int4 base product it runs inside the product's region instead, shared
+ * (lora_int4_matmul), else on the calling thread. Eight adapters' updates (147k and up)
+ * gained 2-3% shared (docs/adapters.md). */
 #define PARALLEL_WEIGHTS 131072
 
 /* x . a (both bf16) over k, in LANES fp32 partial sums: the same order for every row. */
@@ -76,16 +80,33 @@ typedef struct {
     uint16_t *y;
     const int64_t *sizes, *order, *first, *slot, *block_target, *block_start;
     float *u;
-    int64_t a_stride, bt_stride, x_stride, width, n_out, k, groups, blocks;
+    int64_t a_stride, bt_stride, x_stride, width, n_out, k, groups, blocks, n_targets;
 } update;
 
-/* The two passes; their loops are shared among the team when called inside a parallel
- * region, and run whole on the calling thread otherwise. */
-static void passes(const update *w) {
+/* Group g's rows' expand over n columns from c0, all in target t: y[order[p], c] +=
+ * sum_j u[p, t R + j] B^T[slot, j, c], summed over j in order. */
+static void expand(const update *w, int64_t g, int64_t t, int64_t c0, int64_t n) {
+    const int64_t s = w->slot[g], rank = w->step->ranks[s];
+    for (int64_t p = w->first[g]; p < w->first[g + 1]; p++) {
+        float acc[COLUMNS] = {0};
+        const float *up = w->u + p * w->width + t * w->step->max_rank;
+        for (int64_t j = 0; j < rank; j++) {
+            const uint16_t *b_row = w->bt + s * w->bt_stride + j * w->n_out + c0;
+            for (int64_t c = 0; c < n; c++) acc[c] += up[j] * from_bf16(b_row[c]);
+        }
+        uint16_t *out = w->y + w->order[p] * w->n_out + c0;
+        for (int64_t c = 0; c < n; c++)
+            out[c] = to_bf16(from_bf16(out[c]) + from_bf16(to_bf16(acc[c])));
+    }
+}
+
+/* The shrink, u[p, j] = x[order[p]] . A[slot, j], A's row j read once for its group; its
+ * items shared among the team inside a parallel region, with no barrier after them. */
+static void shrink(const void *work) {
+    const update *w = work;
     const lora_step *step = w->step;
-    const int64_t width = w->width, rank_max = step->max_rank, k = w->k, n_out = w->n_out;
-    /* The shrink: u[p, j] = x[order[p]] . A[slot, j], A's row j read once for its group. */
-#pragma omp for schedule(static)
+    const int64_t width = w->width, rank_max = step->max_rank, k = w->k;
+#pragma omp for schedule(static) nowait
     for (int64_t item = 0; item < w->groups * width; item++) {
         const int64_t g = item / width, j = item % width, s = w->slot[g];
         if (j % rank_max >= step->ranks[s]) continue; /* zero padding: never read */
@@ -93,36 +114,55 @@ static void passes(const update *w) {
         for (int64_t p = w->first[g]; p < w->first[g + 1]; p++)
             w->u[p * width + j] = dot(w->x + w->order[p] * w->x_stride, a_row, k);
     }
+}
+
+/* The two passes; their loops are shared among the team when called inside a parallel
+ * region, and run whole on the calling thread otherwise. */
+static void passes(const update *w) {
+    shrink(w);
+#pragma omp barrier
     /* The expand: y[order[p], c] += sum_j u[p, t R + j] B^T[slot, j, c], c in target t. */
 #pragma omp for schedule(static)
     for (int64_t item = 0; item < w->groups * w->blocks; item++) {
-        const int64_t g = item / w->blocks, b = item % w->blocks, s = w->slot[g];
-        const int64_t t = w->block_target[b], c0 = w->block_start[b];
+        const int64_t g = item / w->blocks, b = item % w->blocks, c0 = w->block_start[b];
         int64_t end = 0;
-        for (int64_t i = 0; i <= t; i++) end += w->sizes[i];
-        const int64_t n = end - c0 < COLUMNS ? end - c0 : COLUMNS, rank = step->ranks[s];
-        for (int64_t p = w->first[g]; p < w->first[g + 1]; p++) {
-            float acc[COLUMNS] = {0};
-            const float *up = w->u + p * width + t * rank_max;
-            for (int64_t j = 0; j < rank; j++) {
-                const uint16_t *b_row = w->bt + s * w->bt_stride + j * n_out + c0;
-                for (int64_t c = 0; c < n; c++) acc[c] += up[j] * from_bf16(b_row[c]);
-            }
-            uint16_t *out = w->y + w->order[p] * n_out + c0;
-            for (int64_t c = 0; c < n; c++)
-                out[c] = to_bf16(from_bf16(out[c]) + from_bf16(to_bf16(acc[c])));
-        }
+        for (int64_t i = 0; i <= w->block_target[b]; i++) end += w->sizes[i];
+        expand(w, g, w->block_target[b], c0, end - c0 < COLUMNS ? end - c0 : COLUMNS);
     }
+}
+
+/* The expand of columns [c0, c1) for every group, on the calling thread: the same sums as
+ * passes' items, cut at other columns (each column's sum is its own). */
+static void expand_columns(const void *work, int64_t c0, int64_t c1) {
+    const update *w = work;
+    for (int64_t g = 0; g < w->groups; g++)
+        for (int64_t t = 0, start = 0; t < w->n_targets; start += w->sizes[t++]) {
+            const int64_t lo = c0 > start ? c0 : start;
+            const int64_t hi = c1 < start + w->sizes[t] ? c1 : start + w->sizes[t];
+            for (int64_t c = lo; c < hi; c += COLUMNS)
+                expand(w, g, t, c, hi - c < COLUMNS ? hi - c : COLUMNS);
+        }
 }
 
 /* int64 entries of a step's bookkeeping that live on the stack; more take one malloc. */
 #define ON_STACK 2048
 
-int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt,
-                int64_t block_offset, int64_t n_targets, const int64_t *sizes,
-                const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t rows, int64_t n_out,
-                int64_t k) {
-    if (step == NULL || step->row_slots == NULL || a == NULL || bt == NULL || rows <= 0) return 0;
+int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *sz,
+                     uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
+int int4_matmul_around_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                            const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n_out,
+                            int64_t k, void (*before)(const void *),
+                            void (*after)(const void *, int64_t, int64_t), const void *context);
+
+/* The update, after the base product already in y, or with an int4 base (w4, sz4 not
+ * NULL) computed here first: an update that would stay on the calling thread then runs in
+ * the product's own parallel region, the shrink shared before its tiles and each thread's
+ * expand over the columns of its tiles, so that both threads read the adapter without a
+ * region or barrier of its own. */
+static int update_after(const lora_step *step, const uint16_t *a, const uint16_t *bt,
+                        int64_t block_offset, int64_t n_targets, const int64_t *sizes,
+                        const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t rows,
+                        int64_t n_out, int64_t k, const uint8_t *w4, const uint16_t *sz4) {
     const int64_t rank_max = step->max_rank, width = n_targets * rank_max;
     int64_t blocks = 0;
     for (int64_t t = 0; t < n_targets; t++) blocks += (sizes[t] + COLUMNS - 1) / COLUMNS;
@@ -147,19 +187,47 @@ int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt,
         (float *)(block_start + blocks + 1),
         width * k,
         rank_max * n_out,
-        x_stride, width, n_out, k, groups, blocks,
+        x_stride, width, n_out, k, groups, blocks, n_targets,
     };
     if (groups == 1 && step->blocks != NULL) { /* one slot's rows: its own block */
         w.a = step->blocks + block_offset;
         w.bt = w.a + width * k;
         w.a_stride = w.bt_stride = step->block_stride;
     }
-    if (groups > 0 && weights >= PARALLEL_WEIGHTS && omp_get_max_threads() > 1) {
+    const int team = omp_get_max_threads() > 1, shared = weights >= PARALLEL_WEIGHTS && team;
+    int status = 1;
+    /* Alone, a thread took 1% longer a step with the update inside the product's region. */
+    if (w4 != NULL && groups > 0 && team && !shared) /* 1: too many rows */
+        status = int4_matmul_around_bf16(x, x_stride, w4, sz4, y, rows, n_out, k, shrink,
+                                         expand_columns, &w);
+    if (status == 1) {
+        status = w4 != NULL ? int4_matmul_bf16(x, x_stride, w4, sz4, y, rows, n_out, k) : 0;
+        if (status == 0 && groups > 0 && shared) {
 #pragma omp parallel
-        passes(&w);
-    } else if (groups > 0) {
-        passes(&w); /* without waking the team */
+            passes(&w);
+        } else if (status == 0 && groups > 0) {
+            passes(&w); /* without waking the team */
+        }
     }
     if (words_at != stack) free(words_at);
-    return 0;
+    return status;
+}
+
+int lora_update(const lora_step *step, const uint16_t *a, const uint16_t *bt,
+                int64_t block_offset, int64_t n_targets, const int64_t *sizes,
+                const uint16_t *x, int64_t x_stride, uint16_t *y, int64_t rows, int64_t n_out,
+                int64_t k) {
+    if (step == NULL || step->row_slots == NULL || a == NULL || bt == NULL || rows <= 0) return 0;
+    return update_after(step, a, bt, block_offset, n_targets, sizes, x, x_stride, y, rows, n_out,
+                        k, NULL, NULL);
+}
+
+int lora_int4_matmul(const lora_step *step, const uint16_t *a, const uint16_t *bt,
+                     int64_t block_offset, int64_t n_targets, const int64_t *sizes,
+                     const uint16_t *x, int64_t x_stride, const uint8_t *w4, const uint16_t *sz4,
+                     uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
+    if (step == NULL || step->row_slots == NULL || a == NULL || bt == NULL || rows <= 0)
+        return int4_matmul_bf16(x, x_stride, w4, sz4, y, rows, n_out, k);
+    return update_after(step, a, bt, block_offset, n_targets, sizes, x, x_stride, y, rows, n_out,
+                        k, w4, sz4);
 }
