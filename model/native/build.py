@@ -74,6 +74,7 @@ HEADERS = (
     "mxfp4_block.h",
     "moe_layer.h",
     "mxfp4_dpbf16.h",
+    "int4_one_row.h",
     "topk_select.h",
 )
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's

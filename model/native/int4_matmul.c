@@ -27,32 +27,19 @@
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
 
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
+#include "int4_one_row.h"
 
 /* `rows` (1..ROW_BLOCK) rows of x against `tiles` (1 or 2) adjacent tiles, both
  * constants in each caller, so the accumulators live in registers; each broadcast pair of
  * x serves both tiles (4-5% faster than a tile at a time at 1 to 2048 rows). Per group,
  * the products (q - 8) x are exact in fp32 and summed by dpbf16; scale and zero are
  * applied once per group. A (row, column)'s operations and their order are the same
- * whatever the block's shape. */
+ * whatever the block's shape, and the same as one_row_tile's for a lone row. */
 static inline __attribute__((always_inline)) void tile_block(
     const uint16_t *x, int64_t x_stride, const float *xf, const float *xsum, int64_t groups,
     const uint8_t *w, int64_t tile_bytes, const uint16_t *sz, int64_t tile_scales,
     uint16_t *y, int64_t y_stride, const int rows, const int tiles) {
     (void)xf;
-    /* bf16 of q - 8 for q = 0..15, twice: vpermw reads five index bits, and the fifth is
-     * the high nibble's lowest one, so both halves must agree. */
-    static const uint16_t table_values[32] = {
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,
-        0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
-        0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
-    const __m512i table = _mm512_loadu_si512(table_values);
     __m512 total[ROW_BLOCK][2];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < tiles; j++) total[m][j] = _mm512_setzero_ps();
@@ -67,9 +54,7 @@ static inline __attribute__((always_inline)) void tile_block(
             __m512bh lo[2], hi[2];
             for (int j = 0; j < tiles; j++) {
                 const uint8_t *wg = w + j * tile_bytes + g * (TILE * GROUP / 2);
-                __m512i bytes = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(wg + 32 * s)));
-                lo[j] = as_bh(_mm512_permutexvar_epi16(bytes, table));
-                hi[j] = as_bh(_mm512_permutexvar_epi16(_mm512_srli_epi16(bytes, 4), table));
+                int4_step_bf16(wg + 32 * s, &lo[j], &hi[j]);
             }
             const int64_t k = g * GROUP + 4 * s;
             for (int m = 0; m < rows; m++) {
@@ -100,6 +85,7 @@ static inline __attribute__((always_inline)) void tile_block(
                                 (__m256i)_mm512_cvtneps_pbh(total[m][j]));
 }
 #define INT4_KERNEL "avx512_bf16"
+#define ONE_ROW 1
 
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -231,10 +217,18 @@ int int4_matmul_around_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *
         if (before != NULL) before(context);
         const int64_t id = omp_get_thread_num(), team = omp_get_num_threads();
         const int64_t t0 = tiles * id / team, t1 = tiles * (id + 1) / team;
-        for (int64_t t = t0; t < t1; t++)
+        for (int64_t t = t0; t < t1; t++) {
+#ifdef ONE_ROW
+            if (rows == 1) {
+                one_row_tile(x, xsum, groups, w + t * tile_bytes, sz + t * tile_scales,
+                             y + t * TILE);
+                continue;
+            }
+#endif
             for (int64_t m0 = 0; m0 < rows; m0 += ROW_BLOCK) {
                 FOR_ROW_BLOCK(rows - m0, SINGLE)
             }
+        }
         if (after != NULL) {
 #pragma omp barrier
             after(context, t0 * TILE, t1 * TILE);
