@@ -9,17 +9,14 @@ CPU time and of wall time: on a busy machine other processes only ever add time.
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
 
+from bench.one_row_formats import race
 from model.quant.int6 import Int6Linear, on_grid
 from model.quant.int8_group import Int8GroupLinear
 
 # (out, in) of Qwen2.5-Coder-1.5B's Q6_K matrices: a down projection, the output projection.
 SHAPES = ((1536, 8960), (151936, 1536))
-FLUSH_ELEMENTS = 32 * 2**20  # 128 MB of fp32, four times the L3
 
 
 def formats(out_features: int, in_features: int, logits: bool) -> dict[str, torch.nn.Module]:
@@ -35,36 +32,7 @@ def formats(out_features: int, in_features: int, logits: bool) -> dict[str, torc
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=40)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    flush = torch.rand(FLUSH_ELEMENTS)
-    print("| shape | format | kernel | CPU ms | wall ms | MB | GB/s (CPU) |")
-    print("|---|---|---|---|---|---|---|")
-    for out_features, in_features in SHAPES:
-        modules = formats(out_features, in_features, logits=out_features > 100_000)
-        x = torch.randn(1, in_features).bfloat16()
-        cpu = dict.fromkeys(modules, float("inf"))
-        wall = dict.fromkeys(modules, float("inf"))
-        with torch.inference_mode():
-            for _ in range(args.repeats):
-                for name, module in modules.items():
-                    flush.add_(1.0)
-                    t0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-                    module(x)
-                    t1, w1 = time.thread_time_ns(), time.perf_counter_ns()
-                    cpu[name] = min(cpu[name], (t1 - t0) / 1e6)
-                    wall[name] = min(wall[name], (w1 - w0) / 1e6)
-        for name, module in modules.items():
-            nbytes = sum(b.numel() * b.element_size() for b in module.buffers())
-            kind = module._native.kind
-            print(
-                f"| {out_features}x{in_features} | {name} | {kind} | {cpu[name]:.2f} "
-                f"| {wall[name]:.2f} | {nbytes / 1e6:.1f} | {nbytes / cpu[name] / 1e6:.1f} |"
-            )
-        del modules
+    race(__doc__.split("\n\n")[0], SHAPES, formats)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import torch
 from model.native.int6_a8 import NativeInt6A8Logits, NativeInt6A8Matmul
 from model.quant.int6 import Int6Linear
 from tests.native_builds import ISAS, kernel_build
+from tests.row_alone import assert_rows_alone_equal_batches, scattered_rows
 from tests.test_int4_a8_kernel import quantised_activations
 from tests.test_int6 import q6_k_weight, relative_error
 
@@ -45,13 +46,8 @@ def test_matches_the_quantised_product_in_float64(isa, logits, layer) -> None:
 def test_a_row_alone_equals_it_in_a_batch(isa, layer) -> None:
     module, _ = layer
     kernel = kernel_build(NativeInt6A8Logits, isa)
-    generator = torch.Generator().manual_seed(3)
-    x = torch.randn(17, 512, generator=generator)
-    x = (x * torch.exp2(torch.randint(-12, 12, x.shape, generator=generator))).bfloat16()
     w, scales = module.weight_int6, module.scales
-    alone = [kernel(x[row : row + 1].clone(), w, scales, 48)[0] for row in range(17)]
-    for rows in (2, 8, 9, 17):
-        batch = kernel(x[:rows].clone(), w, scales, 48)
-        for row in range(rows):
-            assert torch.equal(alone[row], batch[row]), (rows, row)
+    x = scattered_rows(17, 512, seed=3)
+    batches = (2, 8, 9, 17)
+    assert_rows_alone_equal_batches(lambda rows: kernel(rows, w, scales, 48), x, batches)
     assert torch.equal(kernel(torch.zeros(3, 512).bfloat16(), w, scales, 48), torch.zeros(3, 48))

@@ -12,6 +12,7 @@ from gguf.quants import dequantize, quantize
 from model.native.int8_a8 import NativeInt8A8Logits, NativeInt8A8Matmul
 from model.quant.int8_group import Int8GroupLinear
 from tests.native_builds import ISAS, kernel_build
+from tests.row_alone import assert_rows_alone_equal_batches, scattered_rows
 from tests.test_int4_a8_kernel import quantised_activations
 from tests.test_int6 import relative_error
 
@@ -51,13 +52,8 @@ def test_matches_the_quantised_product_in_float64(isa, logits, layer) -> None:
 def test_a_row_alone_equals_it_in_a_batch(isa, layer) -> None:
     module, _ = layer
     kernel = kernel_build(NativeInt8A8Logits, isa)
-    generator = torch.Generator().manual_seed(3)
-    x = torch.randn(17, 96, generator=generator)
-    x = (x * torch.exp2(torch.randint(-12, 12, x.shape, generator=generator))).bfloat16()
     w, scales = module.weight_int8, module.scales
-    alone = [kernel(x[row : row + 1].clone(), w, scales, 48)[0] for row in range(17)]
-    for rows in (2, 5, 6, 7, 8, 9, 17):  # AVX2 blocks of 5-8 rows: passes of three
-        batch = kernel(x[:rows].clone(), w, scales, 48)
-        for row in range(rows):
-            assert torch.equal(alone[row], batch[row]), (rows, row)
+    x = scattered_rows(17, 96, seed=3)
+    batches = (2, 5, 6, 7, 8, 9, 17)  # AVX2 blocks of 5-8 rows: passes of three
+    assert_rows_alone_equal_batches(lambda rows: kernel(rows, w, scales, 48), x, batches)
     assert torch.equal(kernel(torch.zeros(3, 96).bfloat16(), w, scales, 48), torch.zeros(3, 48))
