@@ -11,12 +11,9 @@ from gguf.quants import dequantize, quantize
 
 from model.native.int8_a8 import NativeInt8A8Logits, NativeInt8A8Matmul
 from model.quant.int8_group import Int8GroupLinear
+from tests.a8_reference import assert_matches_quantised_product
 from tests.native_builds import ISAS, kernel_build
 from tests.row_alone import assert_rows_alone_equal_batches, scattered_rows
-from tests.test_int4_a8_kernel import quantised_activations
-from tests.test_int6 import relative_error
-
-ROWS = [1, 7, 8, 9, 17]
 
 
 @pytest.fixture(scope="module")
@@ -35,17 +32,9 @@ def layer() -> tuple[Int8GroupLinear, torch.Tensor]:
 def test_matches_the_quantised_product_in_float64(isa, logits, layer) -> None:
     module, weight = layer
     kernel = kernel_build(NativeInt8A8Logits if logits else NativeInt8A8Matmul, isa)
-    generator = torch.Generator().manual_seed(5)
-    for rows in ROWS:
-        x = torch.randn(rows, 96, generator=generator).bfloat16()
-        y = kernel(x, module.weight_int8, module.scales, 48)
-        assert y.dtype == (torch.float32 if logits else torch.bfloat16)
-        expected = quantised_activations(x) @ weight.double().T
-        # fp32 output: exact integer sums, fp32 scaling (1e-7); an xq rounded the other way
-        # at a tie leaves ~1e-3; bf16 output ~1.7e-3; a lost sign or pair far more.
-        assert relative_error(y.double(), expected) < (2e-3 if logits else 4e-3), rows
-        # Rounding x to 8 bits costs ~5e-3 against the exact product.
-        assert 1e-4 < relative_error(y.double(), x.double() @ weight.double().T) < 1.5e-2
+    assert_matches_quantised_product(
+        lambda x: kernel(x, module.weight_int8, module.scales, 48), weight, logits, fp32_bound=2e-3
+    )
 
 
 @pytest.mark.parametrize("isa", ISAS)
