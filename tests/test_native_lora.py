@@ -4,7 +4,9 @@ model/lora/slots.py's `apply` computes) on the same bf16-rounded A and B the C l
 adapter rows within bf16's rounding of it, base rows untouched, each adapter row the same bits
 alone (its slot's own block read) as beside others (the stacks read)."""
 
+import contextlib
 import ctypes
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -85,6 +87,34 @@ def test_the_update_matches_the_grouped_products(isa, stacks):
         assert (got[r] != want).float().mean() < 0.05  # most bits agree
         assert not torch.equal(got[r], y[r]) or RANKS[slot] == 0
         assert torch.equal(c_update(isa, stacks, [r])[0], got[r])
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_chunks_rows_are_each_the_same_bits_as_alone(isa, stacks):
+    # Slot 2's 15 rows and slot 0's 5: each copy of a row lands at another place in the
+    # kernel's blocks of rows or past them, and 20 adapter rows take a region of their own
+    # (two threads where the OpenMP runtime lets the test choose).
+    rows = [0, 1, 2, 3, 6] * 4
+    alone = torch.stack([c_update(isa, stacks, [r])[0] for r in rows[:5]])
+    with omp_threads(2):
+        got = c_update(isa, stacks, rows)
+    assert torch.equal(got, alone.repeat(4, 1))
+
+
+@contextlib.contextmanager
+def omp_threads(count: int) -> Iterator[None]:
+    """The kernels' OpenMP team at `count` threads, when their runtime is libgomp."""
+    try:
+        openmp = ctypes.CDLL("libgomp.so.1")  # the library's own OpenMP runtime, loaded
+    except OSError:
+        yield
+        return
+    threads = openmp.omp_get_max_threads()
+    openmp.omp_set_num_threads(count)
+    try:
+        yield
+    finally:
+        openmp.omp_set_num_threads(threads)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -3,12 +3,12 @@
  * by slot, as punica and S-LoRA group them, so that each resident adapter's A and B are
  * read once per step however many of its rows the step holds.
  *
- * Two passes, shared among the OpenMP team when the step's adapters are large enough: the
+ * Two passes, shared among the OpenMP team when the step's adapters or rows are many: the
  * shrink u = x A^T (one item per slot and row of A) and the expand y += u B^T (one item
- * per slot and block of output columns, within one target). Each
- * value is summed in one fixed order whatever the other rows are (the shrink in 16 lanes
- * by position in the row, the expand over the rank in order), so a row's update never
- * depends on its neighbours, and a row without an adapter is never written.
+ * per slot and block of output columns, within one target). Each value is summed in one
+ * fixed order whatever the other rows are (the shrink in 16 lanes by position in the row,
+ * the expand over the rank in order), so a row's update never depends on its neighbours
+ * (nor on the blocks of rows taken at once), and a row without an adapter is never written.
  *
  * A and B^T are bf16 (model/lora/slots.py's copies for this layer): the step is bound by
  * the bytes it reads, and the update's are half those of fp32. Each weight is widened to
@@ -40,6 +40,17 @@
  * (lora_int4_matmul), else on the calling thread. Eight adapters' updates (147k and up)
  * gained 2-3% shared (docs/adapters.md). */
 #define PARALLEL_WEIGHTS 131072
+/* From this many adapter rows (int4's PAIRED_ROWS) an update gets a region of its own: alone,
+ * one thread spent 43 ms of SmolLM2-135M's 154 ms 128-token prefill on rank-16 updates. */
+#define SHARED_ROWS 16
+
+/* The sum of a row's LANES partial sums, in one fixed order: one function (not inlined) for
+ * a row alone and a row in a block, so that -ffast-math cannot reduce them differently. */
+__attribute__((noinline)) static float lanes_sum(const float *acc) {
+    float sum = 0.0f;
+    for (int l = 0; l < LANES; l++) sum += acc[l];
+    return sum;
+}
 
 /* x . a (both bf16) over k, in LANES fp32 partial sums: the same order for every row. */
 static float dot(const uint16_t *x, const uint16_t *a, int64_t k) {
@@ -48,9 +59,27 @@ static float dot(const uint16_t *x, const uint16_t *a, int64_t k) {
     for (; i + LANES <= k; i += LANES)
         for (int l = 0; l < LANES; l++) acc[l] += from_bf16(x[i + l]) * from_bf16(a[i + l]);
     for (int l = 0; i + l < k; l++) acc[l] += from_bf16(x[i + l]) * from_bf16(a[i + l]);
-    float sum = 0.0f;
-    for (int l = 0; l < LANES; l++) sum += acc[l];
-    return sum;
+    return lanes_sum(acc);
+}
+
+/* Rows at once in the shrink and the expand: each weight, widened once, serves them all. Each
+ * row's lanes and columns take the same products in the same order as when it is alone. */
+#define ROW_BLOCK 4
+
+/* dot for ROW_BLOCK rows x[r] against one a: out[r], the same bits as dot(x[r], a, k). */
+static void dot_block(const uint16_t *const *x, const uint16_t *a, int64_t k, float *out) {
+    float acc[ROW_BLOCK][LANES] = {{0}};
+    int64_t i = 0;
+    for (; i + LANES <= k; i += LANES)
+        for (int l = 0; l < LANES; l++) {
+            const float av = from_bf16(a[i + l]);
+            for (int r = 0; r < ROW_BLOCK; r++) acc[r][l] += from_bf16(x[r][i + l]) * av;
+        }
+    for (int l = 0; i + l < k; l++) {
+        const float av = from_bf16(a[i + l]);
+        for (int r = 0; r < ROW_BLOCK; r++) acc[r][l] += from_bf16(x[r][i + l]) * av;
+    }
+    for (int r = 0; r < ROW_BLOCK; r++) out[r] = lanes_sum(acc[r]);
 }
 
 /* The rows of each used slot, slot by slot: order[first[g] .. first[g + 1]) are group g's
@@ -83,20 +112,51 @@ typedef struct {
     int64_t a_stride, bt_stride, x_stride, width, n_out, k, groups, blocks, n_targets;
 } update;
 
+/* Row p's update of n columns from c0, from its sums acc. */
+static void add_update(const update *w, int64_t p, int64_t c0, int64_t n, const float *acc) {
+    uint16_t *out = w->y + w->order[p] * w->n_out + c0;
+    for (int64_t c = 0; c < n; c++)
+        out[c] = to_bf16(from_bf16(out[c]) + from_bf16(to_bf16(acc[c])));
+}
+
+/* ROW_BLOCK rows' expand from p: B^T's rows b (from column c0), their sums u. */
+__attribute__((always_inline)) static inline void expand_block(
+    const update *w, const uint16_t *b, const float *u, int64_t p, int64_t c0, int64_t n,
+    int64_t rank) {
+    float acc[ROW_BLOCK][COLUMNS] = {{0}};
+    for (int64_t j = 0; j < rank; j++) {
+        const uint16_t *b_row = b + j * w->n_out;
+        float up[ROW_BLOCK];
+        for (int r = 0; r < ROW_BLOCK; r++) up[r] = u[(p + r) * w->width + j];
+        for (int64_t c = 0; c < n; c++) {
+            const float bv = from_bf16(b_row[c]);
+            for (int r = 0; r < ROW_BLOCK; r++) acc[r][c] += up[r] * bv;
+        }
+    }
+    for (int r = 0; r < ROW_BLOCK; r++) add_update(w, p + r, c0, n, acc[r]);
+}
+
 /* Group g's rows' expand over n columns from c0, all in target t: y[order[p], c] +=
- * sum_j u[p, t R + j] B^T[slot, j, c], summed over j in order. */
+ * sum_j u[p, t R + j] B^T[slot, j, c], summed over j in order; ROW_BLOCK rows at once, then
+ * the rest one by one, each column's sum the same products in the same order. */
 static void expand(const update *w, int64_t g, int64_t t, int64_t c0, int64_t n) {
-    const int64_t s = w->slot[g], rank = w->step->ranks[s];
-    for (int64_t p = w->first[g]; p < w->first[g + 1]; p++) {
+    const int64_t s = w->slot[g], rank = w->step->ranks[s], end = w->first[g + 1];
+    const uint16_t *b = w->bt + s * w->bt_stride + c0;
+    const float *u = w->u + t * w->step->max_rank;
+    int64_t p = w->first[g];
+    for (; p + ROW_BLOCK <= end; p += ROW_BLOCK) /* a constant n: the sums stay in registers */
+        if (n == COLUMNS)
+            expand_block(w, b, u, p, c0, COLUMNS, rank);
+        else
+            expand_block(w, b, u, p, c0, n, rank);
+    for (; p < end; p++) {
         float acc[COLUMNS] = {0};
-        const float *up = w->u + p * w->width + t * w->step->max_rank;
+        const float *up = u + p * w->width;
         for (int64_t j = 0; j < rank; j++) {
-            const uint16_t *b_row = w->bt + s * w->bt_stride + j * w->n_out + c0;
+            const uint16_t *b_row = b + j * w->n_out;
             for (int64_t c = 0; c < n; c++) acc[c] += up[j] * from_bf16(b_row[c]);
         }
-        uint16_t *out = w->y + w->order[p] * w->n_out + c0;
-        for (int64_t c = 0; c < n; c++)
-            out[c] = to_bf16(from_bf16(out[c]) + from_bf16(to_bf16(acc[c])));
+        add_update(w, p, c0, n, acc);
     }
 }
 
@@ -104,14 +164,20 @@ static void expand(const update *w, int64_t g, int64_t t, int64_t c0, int64_t n)
  * items shared among the team inside a parallel region, with no barrier after them. */
 static void shrink(const void *work) {
     const update *w = work;
-    const lora_step *step = w->step;
-    const int64_t width = w->width, rank_max = step->max_rank, k = w->k;
+    const int64_t width = w->width, rank_max = w->step->max_rank, k = w->k;
 #pragma omp for schedule(static) nowait
     for (int64_t item = 0; item < w->groups * width; item++) {
         const int64_t g = item / width, j = item % width, s = w->slot[g];
-        if (j % rank_max >= step->ranks[s]) continue; /* zero padding: never read */
+        if (j % rank_max >= w->step->ranks[s]) continue; /* zero padding: never read */
         const uint16_t *a_row = w->a + s * w->a_stride + j * k;
-        for (int64_t p = w->first[g]; p < w->first[g + 1]; p++)
+        int64_t p = w->first[g];
+        for (; p + ROW_BLOCK <= w->first[g + 1]; p += ROW_BLOCK) {
+            const uint16_t *x[ROW_BLOCK]; float out[ROW_BLOCK];
+            for (int r = 0; r < ROW_BLOCK; r++) x[r] = w->x + w->order[p + r] * w->x_stride;
+            dot_block(x, a_row, k, out);
+            for (int r = 0; r < ROW_BLOCK; r++) w->u[(p + r) * width + j] = out[r];
+        }
+        for (; p < w->first[g + 1]; p++)
             w->u[p * width + j] = dot(w->x + w->order[p] * w->x_stride, a_row, k);
     }
 }
@@ -194,7 +260,8 @@ static int update_after(const lora_step *step, const uint16_t *a, const uint16_t
         w.bt = w.a + width * k;
         w.a_stride = w.bt_stride = step->block_stride;
     }
-    const int team = omp_get_max_threads() > 1, shared = weights >= PARALLEL_WEIGHTS && team;
+    const int team = omp_get_max_threads() > 1;
+    const int shared = team && (weights >= PARALLEL_WEIGHTS || first[groups] >= SHARED_ROWS);
     int status = 1;
     /* Alone, a thread took 1% longer a step with the update inside the product's region. */
     if (w4 != NULL && groups > 0 && team && !shared) /* 1: too many rows */
