@@ -10,29 +10,25 @@ from collections.abc import Callable, Iterator
 import torch
 
 
-def best_ms(run: Callable[[], object], reps: int = 3) -> float:
+def best_ms(
+    run: Callable[[], object], reps: int = 3, clock: Callable[[], int] = time.perf_counter_ns
+) -> float:
     """The best of a few timed runs after a warm-up (first calls pick kernels and fault
     pages in); the best, because another process can only make a run slower."""
     run()
     times = []
     for _ in range(reps):
-        started = time.perf_counter()
+        started = clock()
         run()
-        times.append(time.perf_counter() - started)
-    return min(times) * 1e3
+        times.append(clock() - started)
+    return min(times) / 1e6
 
 
 def best_thread_ms(run: Callable[[], object], reps: int = 5) -> float:
     """As `best_ms`, in the calling thread's CPU time: for a run that computes on this
     thread alone (`on_one_thread`), what it cost whatever else the machine runs (another
     process can take the core between two instructions and it does not count)."""
-    run()
-    times = []
-    for _ in range(reps):
-        started = time.thread_time_ns()
-        run()
-        times.append(time.thread_time_ns() - started)
-    return min(times) / 1e6
+    return best_ms(run, reps, clock=time.thread_time_ns)
 
 
 @contextlib.contextmanager
