@@ -14,6 +14,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -102,11 +103,29 @@ def distinct_prompt(i: int) -> str:
     return " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(6)) + f" {i}"
 
 
+def free_fleet_port(replicas: int) -> int:
+    """A router port whose replicas' ports (the next ones) and metrics port (100 above) are
+    free too: one free port alone once had its neighbour held by an outgoing connection."""
+    while True:
+        port = free_port()
+        held: list[socket.socket] = []
+        try:
+            for p in (*range(port + 1, port + replicas + 1), port + 100):
+                held.append(sock := socket.socket())
+                sock.bind(("127.0.0.1", p))
+            return port
+        except (OSError, OverflowError):  # held, or past 65535
+            continue
+        finally:
+            for sock in held:
+                sock.close()
+
+
 # `make replicas` puts its replicas on the ports after the router's and its metrics 100 above:
 # free when chosen, but another test process may take one before they bind.
 @pytest.mark.serial
 def test_make_replicas_serves_64_concurrent_streams_over_both(tiny, tmp_path) -> None:
-    port = free_port()
+    port = free_fleet_port(2)
     log = (tmp_path / "fleet.log").open("wb")
     command = [sys.executable, "-m", "bench.fleet", "--port", str(port)]
     launcher = subprocess.Popen(
