@@ -96,6 +96,8 @@ def test_the_probe_int8_forward_is_w4a8s(q4_gguf) -> None:
     assert torch.equal(a8, all_logits(w4a8, ids))
     assert torch.equal(bf16, all_logits(int4, ids))
     assert not torch.equal(a8, bf16)
+    kl = float((bf16.exp() * (bf16 - a8)).sum(-1).mean())  # KL(bf16 || a8) per position
+    assert activation_probe.probe_kl(int4.model, ids) == pytest.approx(kl, rel=1e-4)
 
 
 def test_the_probe_is_stored_and_read_back(q4_gguf, int4_first, monkeypatch, tmp_path) -> None:

@@ -35,6 +35,7 @@ from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from model.native.build import NativeUnavailable
 from model.native.ops import native_int4_matmul
@@ -127,9 +128,18 @@ def a8_logprobs(model: Llama, ids: list[int]) -> tuple[torch.Tensor, torch.Tenso
 
 
 def probe_kl(model: Llama, ids: list[int]) -> float:
-    """Mean KL(bf16 || a8) per position, in nats."""
+    """Mean KL(bf16 || a8) per position, in nats; summed a block of positions at a time,
+    as a 1.5B model's 100 positions of 151,936 logits are 61 MB a tensor."""
     bf16, a8 = a8_logprobs(model, ids)
-    return float((bf16.exp() * (bf16 - a8)).sum(-1).mean())
+    total = sum(
+        float(
+            F.kl_div(
+                a8[i : i + BLOCK_SIZE], bf16[i : i + BLOCK_SIZE], reduction="sum", log_target=True
+            )
+        )
+        for i in range(0, len(ids), BLOCK_SIZE)
+    )
+    return total / len(ids)
 
 
 def model_identity(path: Path) -> dict[str, object]:
