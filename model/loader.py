@@ -102,7 +102,8 @@ def load_model(
     model = _load_weights(checkpoint, plan, max_position, tp, progress)
     if probe_applies(plan, quantization):
         # Before the C decoder layers are built: they read each layer's final kernel.
-        plan = probed_plan(plan, model, probe_ids(tokenizer, template), path)
+        ids = probe_ids(tokenizer, template, max_position or config.max_position)
+        plan = probed_plan(plan, model, ids, path)
     use_kernels(model, plan)
     if batch_invariant:
         make_rows_invariant(model)

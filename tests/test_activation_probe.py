@@ -117,3 +117,8 @@ def test_the_probe_is_stored_and_read_back(q4_gguf, int4_first, monkeypatch, tmp
     assert len(calls) == 1
     (store,) = tmp_path.glob("tuning-*.json")
     assert any('"activation_probe_kl"' in entry for entry in json.loads(store.read_text()))
+
+
+def test_a_model_loaded_for_fewer_positions_probes_what_fits(q4_gguf, int4_first) -> None:
+    loaded = load(q4_gguf, "auto", max_position=24)
+    assert loaded.model.kernel_plan is not None

@@ -91,12 +91,20 @@ def vnni_beside_bf16() -> bool:
     return bf16 == "avx512_bf16" and a8 == "avx512_vnni"
 
 
-def probe_ids(tokenizer: Tokenizer, template: ChatTemplate | None) -> list[int]:
-    """The probe text as the model reads a chat: in its template where it has one."""
+def probe_ids(
+    tokenizer: Tokenizer, template: ChatTemplate | None, max_tokens: int | None = None
+) -> list[int]:
+    """The probe text as the model reads a chat: in its template where it has one; its
+    first `max_tokens` where the model was loaded for fewer positions than it holds."""
     if template is None:
-        return tokenizer.encode(f"{QUESTION}\n{ANSWER}")
-    messages = [{"role": "user", "content": QUESTION}, {"role": "assistant", "content": ANSWER}]
-    return template.prompt_ids(messages, tokenizer, add_generation_prompt=False)
+        ids = tokenizer.encode(f"{QUESTION}\n{ANSWER}")
+    else:
+        messages = [
+            {"role": "user", "content": QUESTION},
+            {"role": "assistant", "content": ANSWER},
+        ]
+        ids = template.prompt_ids(messages, tokenizer, add_generation_prompt=False)
+    return ids[:max_tokens]
 
 
 def next_token_logprobs(model: Llama, ids: list[int]) -> torch.Tensor:
