@@ -33,6 +33,7 @@ from model.errors import (
 from model.heap import return_free_heap
 from model.network.llama import Llama
 from model.parallel.plan import TensorParallel
+from model.plan.activation_probe import probe_applies, probe_ids, probed_plan
 from model.plan.build import CheckpointFacts, PlanFlags, build_kernel_plan
 from model.plan.kernel_plan import KernelPlan, use_kernels
 from model.plan.mode import check_mode
@@ -99,6 +100,10 @@ def load_model(
     )
     plan = build_kernel_plan(config, device, flags)
     model = _load_weights(checkpoint, plan, max_position, tp, progress)
+    if probe_applies(plan, quantization):
+        # Before the C decoder layers are built: they read each layer's final kernel.
+        ids = probe_ids(tokenizer, template, max_position or config.max_position)
+        plan = probed_plan(plan, model, ids, path)
     use_kernels(model, plan)
     if batch_invariant:
         make_rows_invariant(model)

@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from model.plan import tuning
+from model.plan import activation_probe, tuning
 
 # Measurements here must see a quiet machine or a busy one on purpose: no test beside them.
 pytestmark = pytest.mark.serial
@@ -204,9 +204,12 @@ def test_llamaserve_tune_measures_and_stores_every_choice(tmp_path) -> None:
     (path,) = tmp_path.glob("tuning-*.json")
     assert str(path) in run.stdout
     kinds = {json.loads(entry)["kind"] for entry in json.loads(path.read_text())}
+    # With AVX-512 BF16 and VNNI, the default model's activation probe (it stays bf16).
+    probed = {"activation_probe_kl"} if activation_probe.vnni_beside_bf16() else set()
     assert kinds == {
         "int4_kernel_ms",
         "linear_layers_ms",
         "output_projection_ms",
         "prefill_ms_per_token",
+        *probed,
     }

@@ -2,7 +2,9 @@
 what the checkpoint says of its weights, the model's shapes, the flags and the device. Every
 choice that times this machine is made here, in this order: the weight format, the output
 projection, the layers that run in their own format, the int4 kernel of each shape, the
-attention backend and the argmax."""
+attention backend and the argmax. One choice waits for the weights: whether `auto`'s int4
+layers may take int8 activations where the CPU has bf16 products too, an accuracy probe of
+the loaded model (model/plan/activation_probe.py) that may change their kernels."""
 
 from __future__ import annotations
 

@@ -1,7 +1,8 @@
 """Start-up measurements that hold: the timings behind the choices a CPU server makes as
 it starts (weight format, int4 kernel per layer shape, output projection, threads for
 one-token steps, the step's token budget) are taken once per CPU, kernel build, model
-shape and thread count, stored beside the kernel library, and reused at the next start.
+shape and thread count, stored beside the kernel library, and reused at the next start;
+so is one accuracy figure, the activation probe's (model/plan/activation_probe.py).
 
 Measured afresh at every start, those choices depended on what else ran in those
 seconds: a server started during a build picked one thread for one-token steps and half
@@ -115,9 +116,12 @@ def remembered(
     key: Mapping[str, object],
     measure: Callable[[], T],
     decode: Callable[[object], T] = lambda value: value,  # type: ignore[assignment,return-value]
+    timed: bool = True,
 ) -> T:
     """`measure()`'s result, stored under (kind, key, the thread count), or read back from
-    an earlier start. `decode` turns its JSON form back into what `measure` returns."""
+    an earlier start. `decode` turns its JSON form back into what `measure` returns.
+    `timed=False`: a result other processes cannot change (an accuracy figure), stored
+    however busy the machine was."""
     entry = _entry(kind, key)
     path = store_path()
     if path is None:
@@ -136,7 +140,7 @@ def remembered(
         for attempt in range(1, ATTEMPTS + 1):
             with _other_processes() as others:
                 value = measure()
-            if not others.busy:
+            if not (timed and others.busy):
                 if writable:
                     _write(path, entry, value)
                 return value

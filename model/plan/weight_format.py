@@ -110,14 +110,15 @@ def candidate_formats(
     if device.type != "cpu" or checkpoint_bits is None or dtype not in ("auto", "bfloat16"):
         return floats
     # int4 in groups of 32 holds a 4-bit GGUF type on its own grid (to bf16's rounding of
-    # each group's scale and zero); int8 with one scale per row
-    # holds none of the group-wise types exactly (1% error on Q4_1 weights), so it is
-    # never chosen for the user, only taken when asked for. So is w4a8, the same int4 with
-    # the activations rounded to int8 (what llama.cpp computes for a Q4 GGUF), wherever
-    # the int4 kernel has bf16 products: 1.1-1.4x faster there, but it loses what the
-    # checkpoint never rounded (2 of 10 test prompts' greedy text as float32's against 6
-    # of 10 for int4; like llama-server, it gets the default model's "capital of France"
-    # wrong). Without them (AVX2) it is timed too: `int8_activations_in_auto`.
+    # each group's scale and zero); int8 with one scale per row holds none of the
+    # group-wise types exactly (1% error on Q4_1 weights): never chosen for the user, only
+    # taken when asked for. So is w4a8, the same int4 with the activations rounded to int8
+    # (what llama.cpp computes for a Q4 GGUF), wherever the int4 kernel has bf16 products:
+    # 1.1-1.4x faster there, but it loses what the checkpoint never rounded (2 of 10 test
+    # prompts' greedy text as float32's against 6 of 10 for int4; like llama-server, it
+    # gets the default model's "capital of France" wrong), unless a probe of the loaded
+    # model finds it cheap (model/plan/activation_probe.py). Without them (AVX2) it is
+    # timed too: `int8_activations_in_auto`.
     # Grouped int8 (groups of 32, a scale each) holds Q8_0 exactly, and Q5_0, Q6_K and the
     # other 4- to 6-bit types within a sixteenth of their own step: what a Q4_K_M file's mix
     # of Q4_K, Q5_0 and Q6_K layers runs in when timing prefers it to bf16.
@@ -146,7 +147,7 @@ def int8_activations_in_auto(mode: str) -> bool:
     and int8 ones are what is left, as llama.cpp takes there. There it is several times
     faster (a one-row `[8192 x 2048]` product 0.14 against 0.84 ms, AVX2 build) at the
     accuracy llama-server has on the same file; with AVX-512 BF16 the gain is 1.1-1.7x
-    and the bf16 activations stay."""
+    and the loaded model's accuracy decides (model/plan/activation_probe.py)."""
     if not allows_native(mode):
         return False  # w4a8 runs on the C kernels only
     try:

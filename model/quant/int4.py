@@ -103,6 +103,15 @@ class Int4Linear(QuantizedLinear):
             q = self._staging.to(torch.int32)
             self.weight_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
 
+    def use_kernel(self, kernel: str) -> None:
+        """Switches between our C kernels, which read the same bytes: bf16 or int8
+        activations (the activation probe's choice, model/plan/activation_probe.py)."""
+        if kernel not in NATIVE_INT4_KERNELS or self.kernel not in NATIVE_INT4_KERNELS:
+            raise ValueError(f"int4 kernel {self.kernel!r} cannot become {kernel!r}")
+        self.kernel = kernel
+        if self._native is not None:
+            self._native = native_int4_matmul(kernel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self._native is not None:
