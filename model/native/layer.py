@@ -38,6 +38,16 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [rows, blocks] int64, rows contiguous
     seq_lens: torch.Tensor  # [rows] int64, the new token included
 
+    def __post_init__(self) -> None:
+        # What every layer's call reads of them, found once a step rather than per layer.
+        tables = self.block_tables
+        self.arguments = (
+            self.slots.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            self.seq_lens.data_ptr(),
+        )
+
 
 # decoder_layer.c's weight kinds: int4 with bf16 or int8 activations, grouped int8, int5, int6,
 # MXFP4 with bf16 or int8 activations, int6 and grouped int8 with int8 activations
@@ -240,10 +250,7 @@ class NativeDecoderLayer:
             sin.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            decodes.slots.data_ptr(),
-            decodes.block_tables.data_ptr(),
-            decodes.block_tables.stride(0),
-            decodes.seq_lens.data_ptr(),
+            *decodes.arguments,
             k_cache.shape[1],
             scale,
             window or 0,

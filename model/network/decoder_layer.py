@@ -70,6 +70,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.scale = config.query_scale or config.head_dim**-0.5
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.qkv_proj = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=False)
         # Kept beside the projection rather than in it: quantised projections have no bias.
@@ -147,8 +148,7 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor:
-        c = self.config
-        scale = c.query_scale or c.head_dim**-0.5
+        c, scale = self.config, self.scale
         if (
             self.native is not None
             # LoRA updates hook the PyTorch projections, unless the C layer has them too

@@ -62,6 +62,7 @@ class Llama(nn.Module):
         self.before_forward: Callable[[Batch, PagedKVCache], None] | None = None
         self.embed_tokens = nn.Embedding(vocab_rows, config.dim)
         self.layers = nn.ModuleList(DecoderLayer(self.config, i) for i in range(config.n_layers))
+        self.windows = [self.config.window_of(i) for i in range(config.n_layers)]
         if tp:
             for layer in self.layers:
                 layer.reduce = all_reduce
@@ -246,15 +247,14 @@ class Llama(nn.Module):
         return self.norm(self._layers(batch, kv_cache))
 
     def _layers(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:
-        c = self.config
         attention = self.attention
         plan = attention.plan(batch)
         h = self._embed(batch.input_ids)
         rope = self.rope(batch.positions)
         local_rope = self.rope_local(batch.positions) if self.rope_local is not None else rope
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            window = c.window_of(i)
+        for layer, window, (k_cache, v_cache) in zip(
+            self.layers, self.windows, kv_cache.layers, strict=True
+        ):
             angles = local_rope if window is not None else rope
             h = layer(h, batch, angles, attention, plan, k_cache, v_cache, window)
         return h
