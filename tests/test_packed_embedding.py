@@ -83,15 +83,19 @@ def random_blocks(qtype: GGMLQuantizationType, rows: int, dim: int) -> np.ndarra
     rng = np.random.default_rng(int(qtype))
     data = rng.integers(0, 256, (rows * dim // block, type_size), dtype=np.uint8)
     scales = rng.uniform(-2e-2, 2e-2, (data.shape[0], 2)).astype(np.float16)
-    fields = {GGMLQuantizationType.Q8_0: [0], GGMLQuantizationType.Q4_K: [0, 2]}
-    for i, at in enumerate(fields.get(qtype, [type_size - 2])):  # Q6_K's d comes last
+    # Where each type keeps its float16 fields: Q6_K's d comes last, the others' first.
+    two = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+    offsets = (
+        [type_size - 2] if qtype == GGMLQuantizationType.Q6_K else [0, 2] if qtype in two else [0]
+    )
+    for i, at in enumerate(offsets):
         data[:, at : at + 2] = scales[:, i : i + 1].view(np.uint8)
     return data.reshape(rows, -1)
 
 
 @pytest.mark.parametrize(
     "qtype",
-    [GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K],
+    [getattr(GGMLQuantizationType, t) for t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")],
     ids=lambda t: t.name,
 )
 def test_rows_in_one_c_call_equal_the_gguf_dequantisation(tmp_path, qtype) -> None:

@@ -5,8 +5,8 @@ A vocabulary of 152k rows is most of a small model: Qwen2.5-0.5B's embedding hel
 bf16, more than all its decoder layers in int8, while a step reads only its tokens' rows.
 Here the table is the file's own bytes, memory-mapped as llama.cpp maps them: only the
 pages of rows ever looked up become resident, and a row comes out exactly as dequantising
-the whole table would have given it (model/checkpoint/dequant.py; Q8_0, Q4_K and Q6_K rows in
-one C call, model/native/gguf_rows.c). The file must not change
+the whole table would have given it (model/checkpoint/dequant.py; the common block types' rows
+in one C call, model/native/gguf_rows.c). The file must not change
 while the model runs.
 
 The table's pages are asked into the page cache at load (MADV_WILLNEED, read ahead in the

@@ -1,5 +1,5 @@
 """Python entry point of gguf_rows.c: rows of a GGUF embedding table dequantised from its
-blocks in one C call, for the block types it decodes (Q8_0, Q4_K, Q6_K)."""
+blocks in one C call, for the block types it decodes (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ from gguf import GGMLQuantizationType
 from model.native.build import NativeUnavailable, load_library
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
-TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K})
+_Q = GGMLQuantizationType
+TYPES = frozenset({_Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q8_0, _Q.Q4_K, _Q.Q6_K})
 
 
 class GgufRows:
