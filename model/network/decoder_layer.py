@@ -32,6 +32,7 @@ from model.native.layer import (
     MXFP4_A8,
     NativeDecoderLayer,
     NativeWeight,
+    takes_inputs,
 )
 from model.network.batch import Batch
 from model.network.moe import SparseMoE
@@ -153,9 +154,7 @@ class DecoderLayer(nn.Module):
             self.native is not None
             # LoRA updates hook the PyTorch projections, unless the C layer has them too
             and (batch.lora_slots is None or self.native.lora)
-            and h.dtype == torch.bfloat16
-            and h.is_contiguous()
-            and rope[0].dtype == torch.float32  # the C layer reads fp32 angles
+            and takes_inputs(h, rope[0])
         ):
             if self.moe is not None and self.native.moe is not self.moe.native:
                 self._moe_in_c_layer()
