@@ -7,12 +7,14 @@ Python around each (28-30 layers: about 0.2 ms a one-stream step).
 from __future__ import annotations
 
 import ctypes
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from model.native.build import load_library
 from model.native.layer import DecodeBatch, NativeDecoderLayer, cache_fits, takes_inputs
+from model.network.paged_cache import PagedKVCache
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 
@@ -48,7 +50,8 @@ class NativeLayerStack:
             entry.layer, entry.scale = layer.pointer, scale
             entry.window, entry.local = window or 0, window is not None
         self._pointer = ctypes.addressof(self._table)
-        self._caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        # The cache whose pointers the table holds; weakly, so as not to keep it alive.
+        self._cache: weakref.ref[PagedKVCache] | None = None
         self.dim = layers[0].dim
 
     @classmethod
@@ -71,24 +74,23 @@ class NativeLayerStack:
         h: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         local_rope: tuple[torch.Tensor, torch.Tensor],
-        caches: list[tuple[torch.Tensor, torch.Tensor]],
+        kv_cache: PagedKVCache,
         decodes: DecodeBatch,
     ) -> torch.Tensor | None:
         """The last layer's output for h [rows, dim] (`local_rope` the windowed layers'
-        angles, `caches` each layer's (K, V)); None where a layer of `modules` no longer
-        holds the C layer it had, or the inputs or the cache do not fit it: the caller
-        then runs the layers one by one."""
-        k_cache, v_cache = caches[0]
+        angles); None where a layer of `modules` no longer holds the C layer it had, or
+        the inputs or the cache do not fit it: the caller then runs the layers one by one."""
+        k_cache, v_cache = kv_cache.layers[0]
         if not (
             takes_inputs(h, rope[0])
             and cache_fits(k_cache, v_cache, self._sinks)
             and all(m.native is n for m, n in zip(modules, self.layers, strict=True))
         ):
             return None
-        if caches is not self._caches:
-            for entry, (k, v) in zip(self._table, caches, strict=True):
+        if self._cache is None or self._cache() is not kv_cache:
+            for entry, (k, v) in zip(self._table, kv_cache.layers, strict=True):
                 entry.k_cache, entry.v_cache = k.data_ptr(), v.data_ptr()
-            self._caches = caches
+            self._cache = weakref.ref(kv_cache)
         rows = h.shape[0]
         out = torch.empty_like(h)
         status = self._kernel(

@@ -258,7 +258,7 @@ class Llama(nn.Module):
         local_rope = self.rope_local(batch.positions) if self.rope_local is not None else rope
         stack, decodes = self.layer_stack, getattr(plan, "decodes", None)
         if stack is not None and decodes is not None and batch.lora_slots is None:
-            out = stack.decode(self.layers, h, rope, local_rope, kv_cache.layers, decodes)
+            out = stack.decode(self.layers, h, rope, local_rope, kv_cache, decodes)
             if out is not None:
                 return out
         for layer, window, (k_cache, v_cache) in zip(
