@@ -127,22 +127,58 @@ def test_a_decode_step_in_one_call_equals_the_two_call_layer(tiny_dir, kv_dtype)
     prompts = [list(range(3, 40)), list(range(100, 117)), list(range(200, 233))]
     tables = [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
 
-    def decode_logits(one_call: bool) -> tuple[torch.Tensor, PagedKVCache]:
+    stack = model.layer_stack
+    assert stack is not None
+
+    def decode_logits(calls: str) -> tuple[torch.Tensor, PagedKVCache]:
         cache = PagedKVCache.allocate(model.config, 10, 16, kv_dtype)
         model(Batch.build(prompts, [0, 0, 0], tables, 16), cache)
         decode = Batch.build([[7], [9], [11]], [len(p) for p in prompts], tables, 16)
         plan = model.attention.plan(decode)
         assert plan.decodes is not None
-        if not one_call:
+        model.layer_stack = stack if calls == "one for all layers" else None
+        if calls == "two a layer":
             model.attention.plan = lambda batch: replace(plan, decodes=None)
         try:
             return model(decode, cache), cache
         finally:
             model.attention.__dict__.pop("plan", None)
+            model.layer_stack = stack
 
-    (one, cache_one), (two, cache_two) = decode_logits(True), decode_logits(False)
+    (one, cache_one), (two, cache_two) = decode_logits("one a layer"), decode_logits("two a layer")
     assert torch.equal(one, two)
     assert torch.equal(cache_one.k, cache_two.k) and torch.equal(cache_one.v, cache_two.v)
+    # Every layer in one call (model/native/layer_stack.py): the same calls, the same bits.
+    whole, cache_whole = decode_logits("one for all layers")
+    assert torch.equal(whole, one)
+    assert torch.equal(cache_whole.k, cache_one.k) and torch.equal(cache_whole.v, cache_one.v)
+
+
+def test_a_windowed_family_decodes_all_layers_in_one_call(tmp_path, monkeypatch) -> None:
+    """Gemma 3: windowed layers with their own RoPE base between global ones, contexts past
+    the window; logits and cache bit for bit those of the layer loop."""
+    monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: "native")
+    make_tiny("gemma3", tmp_path)
+    model = load(tmp_path)
+    stack = model.layer_stack
+    assert stack is not None and any(w is not None for w in model.windows)
+    prompts = [list(range(3, 30)), list(range(40, 45))]
+    tables = [[0, 1], [2, 3]]
+
+    def decode_logits() -> tuple[torch.Tensor, PagedKVCache]:
+        cache = PagedKVCache.allocate(model.config, 4, 16, torch.bfloat16)
+        model(Batch.build(prompts, [0, 0], tables, 16), cache)
+        decode = Batch.build([[7], [9]], [len(p) for p in prompts], tables, 16)
+        return model(decode, cache), cache
+
+    model.layer_stack = None
+    loop, cache_loop = decode_logits()
+    model.layer_stack = stack
+    for layer in model.layers:  # the stack's call, not the layers' own
+        monkeypatch.setattr(layer.native, "decode", None)
+    whole, cache_whole = decode_logits()
+    assert torch.equal(whole, loop)
+    assert torch.equal(cache_whole.k, cache_loop.k) and torch.equal(cache_whole.v, cache_loop.v)
 
 
 @pytest.mark.parametrize("quantization", ["int4", "int8g", "int5"])

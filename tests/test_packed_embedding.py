@@ -7,9 +7,10 @@ import gc
 import os
 import time
 
+import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 from model.checkpoint.gguf import GGUFCheckpoint
@@ -74,3 +75,40 @@ def test_the_table_is_read_ahead_at_load(tmp_path) -> None:
             break
         time.sleep(0.01)
     assert all(resident), f"{resident.count(False)} of {len(resident)} pages not resident"
+
+
+def random_blocks(qtype: GGMLQuantizationType, rows: int, dim: int) -> np.ndarray:
+    """Random blocks of `qtype` whose float16 scales are finite: [rows, row bytes] uint8."""
+    block, type_size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(int(qtype))
+    data = rng.integers(0, 256, (rows * dim // block, type_size), dtype=np.uint8)
+    scales = rng.uniform(-2e-2, 2e-2, (data.shape[0], 2)).astype(np.float16)
+    # Where each type keeps its float16 fields: Q6_K's d comes last, the others' first.
+    two = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K)
+    offsets = (
+        [type_size - 2] if qtype == GGMLQuantizationType.Q6_K else [0, 2] if qtype in two else [0]
+    )
+    for i, at in enumerate(offsets):
+        data[:, at : at + 2] = scales[:, i : i + 1].view(np.uint8)
+    return data.reshape(rows, -1)
+
+
+@pytest.mark.parametrize(
+    "qtype",
+    [getattr(GGMLQuantizationType, t) for t in ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K")],
+    ids=lambda t: t.name,
+)
+def test_rows_in_one_c_call_equal_the_gguf_dequantisation(tmp_path, qtype) -> None:
+    """The C lookup of a step's rows (model/native/gguf_rows.c), in fp32 and in bf16."""
+    rows, dim = 40, 512
+    data = random_blocks(qtype, rows, dim)
+    path = tmp_path / "table.bin"
+    path.write_bytes(b"\0" * 64 + data.tobytes())  # the table at an offset, as in a file
+    table = torch.from_numpy(dequantize(data, qtype).copy()).reshape(rows, dim)
+    ids = torch.tensor([[0, 39, 7], [7, 12, 1]])
+    for dtype in (torch.float32, torch.bfloat16):
+        embedding = PackedEmbedding(path, 64, rows, dim, qtype, dtype)
+        assert embedding._native is not None
+        assert torch.equal(embedding(ids), table[ids].to(dtype))
+    with pytest.raises(IndexError):
+        embedding(torch.tensor([rows]))

@@ -68,17 +68,18 @@ class CpuPagedBackend(TorchRefBackend):
         self.int8_kernels = paged_decode_int8_kernels(library)
 
     def plan(self, batch: Batch) -> CpuPagedPlan:
-        groups = super().plan(batch).groups
+        plan = CpuPagedPlan(batch)
+        if batch.query_lens and all(q == 1 for q in batch.query_lens):
+            # Decodes only: the batch's own tensors are the C layers' whole plan (the
+            # kernel reads each table only as far as its row's length).
+            plan.decode_lens = batch.seq_lens_t
+            plan.decodes = DecodeBatch(batch.slot_mapping, batch.block_tables, batch.seq_lens_t)
+            return plan
         lens = [n for n, q in zip(batch.seq_lens, batch.query_lens, strict=True) if q == 1]
-        decode_lens = torch.tensor(lens, dtype=torch.int64) if lens else None
-        decodes = None
-        if decode_lens is not None and len(lens) == len(batch.query_lens):
-            tables = groups[0].block_tables.contiguous()
-            decodes = DecodeBatch(batch.slot_mapping, tables, decode_lens)
-        plan = CpuPagedPlan(groups=groups, decode_lens=decode_lens, decodes=decodes)
+        plan.decode_lens = torch.tensor(lens, dtype=torch.int64) if lens else None
         prefills = [(n, q) for n, q in zip(batch.seq_lens, batch.query_lens, strict=True) if q > 1]
         if prefills:
-            group = groups[-1]
+            group = plan.groups[-1]
             rows, max_q = group.token_index.shape
             seq_lens = torch.tensor([n for n, _ in prefills], dtype=torch.int64)
             query_lens = torch.tensor([q for _, q in prefills], dtype=torch.int64)

@@ -5,7 +5,8 @@ A vocabulary of 152k rows is most of a small model: Qwen2.5-0.5B's embedding hel
 bf16, more than all its decoder layers in int8, while a step reads only its tokens' rows.
 Here the table is the file's own bytes, memory-mapped as llama.cpp maps them: only the
 pages of rows ever looked up become resident, and a row comes out exactly as dequantising
-the whole table would have given it (model/checkpoint/dequant.py). The file must not change
+the whole table would have given it (model/checkpoint/dequant.py; the common block types' rows
+in one C call, model/native/gguf_rows.c). The file must not change
 while the model runs.
 
 The table's pages are asked into the page cache at load (MADV_WILLNEED, read ahead in the
@@ -26,6 +27,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from torch import nn
 
 from model.checkpoint.dequant import dequantize
+from model.native.gguf_rows import GgufRows
 
 
 def read_ahead(buffer: mmap.mmap, offset: int, length: int) -> bool:
@@ -65,14 +67,21 @@ class PackedEmbedding(nn.Module):
             )
         self.table = table.view(rows, row_bytes)
         read_ahead(self._map, offset, rows * row_bytes)
+        # A step's few rows in one C call where it decodes the type: PyTorch's whole-tensor
+        # decoders cost ~150 us of small ops for a one-token step.
+        self._native = GgufRows.for_table(self.table, qtype, dim, dtype)
 
     @property
     def num_embeddings(self) -> int:
         return self.table.shape[0]
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table[ids.reshape(-1).cpu()]
-        values = dequantize(rows.reshape(-1), self.qtype, (rows.shape[0], self.dim), self.dtype)
+        flat = ids.reshape(-1).cpu()
+        if self._native is not None:
+            values = self._native(flat, self.dtype)
+        else:
+            rows = self.table[flat]
+            values = dequantize(rows.reshape(-1), self.qtype, (len(flat), self.dim), self.dtype)
         return values.to(ids.device).reshape(*ids.shape, self.dim)
 
     def extra_repr(self) -> str:

@@ -1,8 +1,8 @@
 """Builds the C kernels beside this file (paged attention, RMSNorm, int4 matmuls with bf16
 or int8 activations, the 5-, 6- and 8-bit matmuls, MXFP4 ones with fp32 or int8
 activations and the 6-bit grid finder, the decoder layer around attention with its LoRA
-update, a mixture of experts' experts, greedy argmax) into one shared library for this
-machine, once, and loads it with ctypes.
+update (and a stack of them), a mixture of experts' experts, greedy argmax, a GGUF
+embedding's rows) into one shared library for this machine, once, and loads it with ctypes.
 
 C rather than a PyTorch extension: plain C with no PyTorch headers compiles in about a
 second with the system's compiler, so the library is simply built where it runs, with
@@ -49,6 +49,7 @@ SOURCES = (
     "int8_matmul.c",
     "int8_matmul_a8.c",
     "decoder_layer.c",
+    "decoder_stack.c",
     "lora_update.c",
     "moe_experts.c",
     "moe_router.c",
@@ -56,6 +57,7 @@ SOURCES = (
     "mxfp4_matmul.c",
     "mxfp4_matmul_a8.c",
     "argmax.c",
+    "gguf_rows.c",
 )
 HEADERS = (
     "bf16.h",

@@ -38,6 +38,34 @@ class DecodeBatch:
     block_tables: torch.Tensor  # [rows, blocks] int64, rows contiguous
     seq_lens: torch.Tensor  # [rows] int64, the new token included
 
+    def __post_init__(self) -> None:
+        # What every layer's call reads of them, found once a step rather than per layer.
+        tables = self.block_tables
+        self.arguments = (
+            self.slots.data_ptr(),
+            tables.data_ptr(),
+            tables.stride(0),
+            self.seq_lens.data_ptr(),
+        )
+
+
+def takes_inputs(h: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether the C layer reads these activations and angles: h contiguous bf16, the
+    angles fp32."""
+    return h.dtype == torch.bfloat16 and h.is_contiguous() and cos.dtype == torch.float32
+
+
+def cache_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, sinks: bool) -> bool:
+    """Whether the C layer's decode writes and reads this cache: bf16, or int8
+    (model/network/kv_int8.py) by a kernel without attention sinks; contiguous."""
+    int8 = k_cache.dtype == torch.int8
+    return (
+        k_cache.dtype == v_cache.dtype
+        and (k_cache.dtype == torch.bfloat16 or (int8 and not sinks))
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    )
+
 
 # decoder_layer.c's weight kinds: int4 with bf16 or int8 activations, grouped int8, int5, int6,
 # MXFP4 with bf16 or int8 activations, int6 and grouped int8 with int8 activations
@@ -123,7 +151,7 @@ class NativeDecoderLayer:
         # the attention kernel's softmax is.
         sinks = layer.sinks.detach().float().contiguous() if layer.sinks is not None else None
         optional_gpt_oss = [layer.o_bias, sinks]
-        self._has_sinks = sinks is not None
+        self.has_sinks = sinks is not None
         self._tensors += [t for t in optional + optional_gpt_oss if t is not None]
         self._struct = _DecoderLayer(
             layer.input_layernorm.weight.data_ptr(),
@@ -141,7 +169,7 @@ class NativeDecoderLayer:
             sinks.data_ptr() if sinks is not None else None,
         )
         self._tensors += [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
-        self._pointer = ctypes.addressof(self._struct)
+        self.pointer = ctypes.addressof(self._struct)
         self.lora = False  # whether `use_lora` gave this layer the adapters' stacks
         self.moe: object | None = None  # set by `use_moe`
 
@@ -182,7 +210,7 @@ class NativeDecoderLayer:
         rows = h.shape[0]
         qkv = torch.empty(rows, self.q_size + 2 * self.kv_size, dtype=torch.bfloat16)
         status = self._input(
-            self._pointer, h.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), qkv.data_ptr()
+            self.pointer, h.data_ptr(), rows, cos.data_ptr(), sin.data_ptr(), qkv.data_ptr()
         )
         if status:
             raise MemoryError("decoder layer: out of memory for its buffers")
@@ -201,7 +229,7 @@ class NativeDecoderLayer:
             flat = flat.contiguous()
         out = torch.empty_like(h)
         status = self._output(
-            self._pointer, h.data_ptr(), flat.data_ptr(), flat.stride(0), rows, out.data_ptr()
+            self.pointer, h.data_ptr(), flat.data_ptr(), flat.stride(0), rows, out.data_ptr()
         )
         if status:
             raise MemoryError("decoder layer: out of memory for its buffers")
@@ -222,32 +250,23 @@ class NativeDecoderLayer:
         not fit (another dtype, or a strided view): the caller then runs the layer. An
         int8 cache (model/network/kv_int8.py) is written and read in its own layout, by a
         kernel without attention sinks: a gpt-oss layer over one is the caller's."""
-        int8 = k_cache.dtype == torch.int8
-        if not (
-            k_cache.dtype == v_cache.dtype
-            and (k_cache.dtype == torch.bfloat16 or (int8 and not self._has_sinks))
-            and k_cache.is_contiguous()
-            and v_cache.is_contiguous()
-        ):
+        if not cache_fits(k_cache, v_cache, self.has_sinks):
             return None
         rows = h.shape[0]
         out = torch.empty_like(h)
         status = self._decode(
-            self._pointer,
+            self.pointer,
             h.data_ptr(),
             rows,
             cos.data_ptr(),
             sin.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
-            decodes.slots.data_ptr(),
-            decodes.block_tables.data_ptr(),
-            decodes.block_tables.stride(0),
-            decodes.seq_lens.data_ptr(),
+            *decodes.arguments,
             k_cache.shape[1],
             scale,
             window or 0,
-            int8,
+            k_cache.dtype == torch.int8,
             out.data_ptr(),
         )
         if status == 1:

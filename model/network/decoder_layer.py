@@ -32,6 +32,7 @@ from model.native.layer import (
     MXFP4_A8,
     NativeDecoderLayer,
     NativeWeight,
+    takes_inputs,
 )
 from model.network.batch import Batch
 from model.network.moe import SparseMoE
@@ -70,6 +71,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, index: int = 0) -> None:
         super().__init__()
         self.config = config
+        self.scale = config.query_scale or config.head_dim**-0.5
         self.input_layernorm = RMSNorm(config.dim, config.norm_eps)
         self.qkv_proj = nn.Linear(config.dim, config.q_size + 2 * config.kv_size, bias=False)
         # Kept beside the projection rather than in it: quantised projections have no bias.
@@ -147,15 +149,12 @@ class DecoderLayer(nn.Module):
         v_cache: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor:
-        c = self.config
-        scale = c.query_scale or c.head_dim**-0.5
+        c, scale = self.config, self.scale
         if (
             self.native is not None
             # LoRA updates hook the PyTorch projections, unless the C layer has them too
             and (batch.lora_slots is None or self.native.lora)
-            and h.dtype == torch.bfloat16
-            and h.is_contiguous()
-            and rope[0].dtype == torch.float32  # the C layer reads fp32 angles
+            and takes_inputs(h, rope[0])
         ):
             if self.moe is not None and self.native.moe is not self.moe.native:
                 self._moe_in_c_layer()

@@ -17,6 +17,7 @@ from model.attention.base import AttentionBackend
 from model.attention.torch_ref import TorchRefBackend
 from model.checkpoint.file_blocks import FileBlocks
 from model.config import ModelConfig
+from model.native.layer_stack import NativeLayerStack
 from model.network.batch import Batch
 from model.network.decoder_layer import DecoderLayer, NormKernel, RMSNorm, RopeKernel
 from model.network.meta_init import materialise, skeleton
@@ -62,6 +63,8 @@ class Llama(nn.Module):
         self.before_forward: Callable[[Batch, PagedKVCache], None] | None = None
         self.embed_tokens = nn.Embedding(vocab_rows, config.dim)
         self.layers = nn.ModuleList(DecoderLayer(self.config, i) for i in range(config.n_layers))
+        self.windows = [self.config.window_of(i) for i in range(config.n_layers)]
+        self.layer_stack: NativeLayerStack | None = None  # set by `use_native_layers`
         if tp:
             for layer in self.layers:
                 layer.reduce = all_reduce
@@ -101,8 +104,10 @@ class Llama(nn.Module):
             layer.rope_kernel = kernel
 
     def use_native_layers(self) -> int:
-        """Native decoder layers where their parts fit (model/native/layer.py): how many."""
+        """Native decoder layers where their parts fit (model/native/layer.py): how many;
+        where all fit with dense MLPs, a step of decodes runs them in one call."""
         native = sum(layer.use_native() for layer in self.layers)
+        self.layer_stack = NativeLayerStack.for_layers(self.layers, self.windows)
         sparse = sum(layer.moe is not None for layer in self.layers)
         if sparse:
             in_c = sum(
@@ -246,15 +251,19 @@ class Llama(nn.Module):
         return self.norm(self._layers(batch, kv_cache))
 
     def _layers(self, batch: Batch, kv_cache: PagedKVCache) -> torch.Tensor:
-        c = self.config
         attention = self.attention
         plan = attention.plan(batch)
         h = self._embed(batch.input_ids)
         rope = self.rope(batch.positions)
         local_rope = self.rope_local(batch.positions) if self.rope_local is not None else rope
-        for i, layer in enumerate(self.layers):
-            k_cache, v_cache = kv_cache.layer(i)
-            window = c.window_of(i)
+        stack, decodes = self.layer_stack, getattr(plan, "decodes", None)
+        if stack is not None and decodes is not None and batch.lora_slots is None:
+            out = stack.decode(self.layers, h, rope, local_rope, kv_cache, decodes)
+            if out is not None:
+                return out
+        for layer, window, (k_cache, v_cache) in zip(
+            self.layers, self.windows, kv_cache.layers, strict=True
+        ):
             angles = local_rope if window is not None else rope
             h = layer(h, batch, angles, attention, plan, k_cache, v_cache, window)
         return h

@@ -10,7 +10,7 @@ this module only holds memory and never allocates blocks.
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,13 @@ class PagedKVCache:
     k: torch.Tensor  # [n_layers, num_blocks, block_size, n_kv_heads, head_dim]
     v: torch.Tensor
     block_size: int
+    # Each layer's (K, V) views, made once: a view costs about a microsecond, twice per
+    # layer per step.
+    layers: list[tuple[torch.Tensor, torch.Tensor]] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # Indexed one by one, not unbind's views: those may not be written in place.
+        self.layers = [(self.k[i], self.v[i]) for i in range(self.k.shape[0])]
 
     @classmethod
     def allocate(
@@ -56,7 +63,7 @@ class PagedKVCache:
         return self.num_blocks
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.k[index], self.v[index]
+        return self.layers[index]
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
