@@ -36,3 +36,23 @@ def test_small_and_meta_buffers_are_plain() -> None:
     assert small.shape == (16, 32) and small.untyped_storage().nbytes() == 16 * 32
     meta = empty_on_huge_pages((4096, 4096), torch.int8, "meta")
     assert meta.device.type == "meta" and meta.shape == (4096, 4096)
+
+
+@pytest.mark.skipif(platform.system() != "Linux", reason="madvise is Linux's")
+def test_packed_int4_int5_and_int6_weights_start_on_huge_pages() -> None:
+    """The packed copies are what a decode step streams: the staging buffers' 2 MB pages
+    are left behind when packing writes the tiles elsewhere."""
+    from model.native.ops import NativeInt4Matmul, NativeInt5Matmul, NativeInt6Matmul
+
+    out_features, in_features = 2048, 4096  # 4 MB of int4: two whole huge pages
+    q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
+    scales = torch.rand(in_features // 32, out_features, 2).to(torch.bfloat16)
+    int4, _ = NativeInt4Matmul.pack(q, scales)
+    int5, _ = NativeInt5Matmul().pack(q * 2, torch.rand(out_features, in_features // 32))
+    int6, _ = NativeInt6Matmul().pack(
+        q * 4,
+        torch.randint(-8, 8, (out_features, in_features // 16), dtype=torch.int8),
+        torch.rand(out_features, in_features // 256),
+    )
+    for weight in (int4, int5, int6):
+        assert weight.data_ptr() % HUGE_PAGE == 0

@@ -10,6 +10,7 @@ from functools import cache
 import torch
 
 from model.native.build import load_library
+from model.native.huge_pages import empty_on_huge_pages
 
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
@@ -104,7 +105,7 @@ class NativeInt4Matmul(_TiledMatmul):
         the same reordering by tensor ops took 2.7 of the 18 s a 1.5B model loaded in)."""
         out_features, in_features = q.shape
         q, scales_and_zeros = q.contiguous(), scales_and_zeros.contiguous()
-        weight = torch.empty(out_features * in_features // 2, dtype=torch.uint8)
+        weight = empty_on_huge_pages((out_features * in_features // 2,), torch.uint8, "cpu")
         tiled = torch.empty(out_features * (in_features // 32) * 2, dtype=torch.bfloat16)
         pointers = (q.data_ptr(), scales_and_zeros.data_ptr(), weight.data_ptr(), tiled.data_ptr())
         _int4_pack()(*pointers[:2], out_features, in_features, *pointers[2:])
@@ -148,7 +149,7 @@ class NativeInt5Matmul(_TiledMatmul):
         """q [out, in] uint8 in 0..31, contiguous; scales [out, in / 32] fp16. Returns the
         kernel's weight bytes and scales, in the tile order int5_matmul.c describes."""
         out_features, in_features = q.shape
-        weight = torch.empty(out_features * in_features * 5 // 8, dtype=torch.uint8)
+        weight = empty_on_huge_pages((out_features * in_features * 5 // 8,), torch.uint8, "cpu")
         tiled_scales = torch.empty(out_features * (in_features // 32), dtype=torch.float16)
         scales = scales.to(torch.float16).contiguous()
         pointers = (q.data_ptr(), scales.data_ptr(), weight.data_ptr(), tiled_scales.data_ptr())
@@ -192,7 +193,9 @@ class NativeInt6Matmul(_TiledMatmul):
         out_features, in_features = q.shape
         q, sub_scales, scales = q.contiguous(), sub_scales.contiguous(), scales.contiguous()
         if weight is None or tiled is None:
-            weight = torch.empty(out_features * in_features * 13 // 16, dtype=torch.uint8)
+            weight = empty_on_huge_pages(
+                (out_features * in_features * 13 // 16,), torch.uint8, "cpu"
+            )
             tiled = torch.empty(out_features * (in_features // 256), dtype=torch.float32)
         if weight.numel() != out_features * in_features * 13 // 16 or not weight.is_contiguous():
             raise ValueError("int6 pack: the weight bytes do not fit the rows")
