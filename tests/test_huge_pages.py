@@ -44,15 +44,18 @@ def test_packed_int4_int5_and_int6_weights_start_on_huge_pages() -> None:
     are left behind when packing writes the tiles elsewhere."""
     from model.native.ops import NativeInt4Matmul, NativeInt5Matmul, NativeInt6Matmul
 
-    out_features, in_features = 2048, 4096  # 4 MB of int4: two whole huge pages
+    out_features, in_features = 4096, 8192  # 16 MB of int4 and 4 MB of its scales
     q = torch.randint(0, 16, (out_features, in_features), dtype=torch.uint8)
     scales = torch.rand(in_features // 32, out_features, 2).to(torch.bfloat16)
-    int4, _ = NativeInt4Matmul.pack(q, scales)
+    int4, int4_scales = NativeInt4Matmul.pack(q, scales)
     int5, _ = NativeInt5Matmul().pack(q * 2, torch.rand(out_features, in_features // 32))
     int6, _ = NativeInt6Matmul().pack(
         q * 4,
         torch.randint(-8, 8, (out_features, in_features // 16), dtype=torch.int8),
         torch.rand(out_features, in_features // 256),
     )
-    for weight in (int4, int5, int6):
+    from model.quant.int6 import Int6Linear
+
+    layer_bytes = Int6Linear(in_features, out_features, "cpu")._new_staging()  # filled as rows load
+    for weight in (int4, int4_scales, int5, int6, layer_bytes):
         assert weight.data_ptr() % HUGE_PAGE == 0

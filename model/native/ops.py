@@ -106,7 +106,9 @@ class NativeInt4Matmul(_TiledMatmul):
         out_features, in_features = q.shape
         q, scales_and_zeros = q.contiguous(), scales_and_zeros.contiguous()
         weight = empty_on_huge_pages((out_features * in_features // 2,), torch.uint8, "cpu")
-        tiled = torch.empty(out_features * (in_features // 32) * 2, dtype=torch.bfloat16)
+        tiled = empty_on_huge_pages(
+            (out_features * (in_features // 32) * 2,), torch.bfloat16, "cpu"
+        )
         pointers = (q.data_ptr(), scales_and_zeros.data_ptr(), weight.data_ptr(), tiled.data_ptr())
         _int4_pack()(*pointers[:2], out_features, in_features, *pointers[2:])
         return weight, tiled

@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType
 from model.checkpoint.dequant import q6_k_grid
 from model.checkpoint.file_blocks import FileBlocks
 from model.errors import UnsupportedFormatError
+from model.native.huge_pages import empty_on_huge_pages
 from model.native.int6_a8 import NativeInt6A8Logits, NativeInt6A8Matmul
 from model.native.ops import NativeInt6Logits, NativeInt6Matmul, int6_grid
 from model.quant.base import QuantizedLinear
@@ -72,8 +73,8 @@ class Int6Linear(QuantizedLinear):
             else (NativeInt6Matmul, NativeInt6Logits)
         )
         self._native = kernels[self.logits]()
-        self.weight_int6 = torch.empty(
-            self.out_features * self.in_features * 13 // 16, dtype=torch.uint8
+        self.weight_int6 = empty_on_huge_pages(
+            (self.out_features * self.in_features * 13 // 16,), torch.uint8, "cpu"
         )
         self.scales = torch.empty(
             self.out_features * self.in_features // SUPER_BLOCK, dtype=torch.float32
