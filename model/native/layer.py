@@ -67,6 +67,16 @@ def cache_fits(k_cache: torch.Tensor, v_cache: torch.Tensor, sinks: bool) -> boo
     )
 
 
+def decode_output(status: int, out: torch.Tensor) -> torch.Tensor | None:
+    """A C decode's output by its status: None for 1 (shapes past the attention kernel's
+    buffers, found before anything is written: the caller runs the layers itself)."""
+    if status == 1:
+        return None
+    if status:
+        raise MemoryError("decoder layer: out of memory for its buffers")
+    return out
+
+
 # decoder_layer.c's weight kinds: int4 with bf16 or int8 activations, grouped int8, int5, int6,
 # MXFP4 with bf16 or int8 activations, int6 and grouped int8 with int8 activations
 INT4, INT4_A8, INT8_GROUPS, INT5, INT6, INT5_A8, MXFP4, MXFP4_A8, INT6_A8, INT8_GROUPS_A8 = range(
@@ -269,8 +279,4 @@ class NativeDecoderLayer:
             k_cache.dtype == torch.int8,
             out.data_ptr(),
         )
-        if status == 1:
-            return None  # shapes past the attention kernel's buffers; nothing was written
-        if status:
-            raise MemoryError("decoder layer: out of memory for its buffers")
-        return out
+        return decode_output(status, out)

@@ -13,7 +13,13 @@ from collections.abc import Sequence
 import torch
 
 from model.native.build import load_library
-from model.native.layer import DecodeBatch, NativeDecoderLayer, cache_fits, takes_inputs
+from model.native.layer import (
+    DecodeBatch,
+    NativeDecoderLayer,
+    cache_fits,
+    decode_output,
+    takes_inputs,
+)
 from model.network.paged_cache import PagedKVCache
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -108,8 +114,4 @@ class NativeLayerStack:
             k_cache.dtype == torch.int8,
             out.data_ptr(),
         )
-        if status == 1:
-            return None  # shapes past the attention kernel's buffers; nothing was written
-        if status:
-            raise MemoryError("decoder layers: out of memory for their buffers")
-        return out
+        return decode_output(status, out)
