@@ -205,7 +205,7 @@ def test_llamaserve_tune_measures_and_stores_every_choice(tmp_path) -> None:
     assert str(path) in run.stdout
     kinds = {json.loads(entry)["kind"] for entry in json.loads(path.read_text())}
     # With AVX-512 BF16 and VNNI, the default model's activation probe (it stays bf16).
-    probed = {"activation_probe_kl"} if activation_probe.vnni_beside_bf16() else set()
+    probed = {"activation_probe_trimmed_kl"} if activation_probe.vnni_beside_bf16() else set()
     assert kinds == {
         "int4_kernel_ms",
         "linear_layers_ms",

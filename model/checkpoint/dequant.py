@@ -194,6 +194,15 @@ def q4_k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return q, step, low.neg_()
 
 
+def q4_k_superblocks(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q4_K's fields as they are: d and dmin float16 [n_blocks], the 6-bit sub-scales and
+    sub-mins uint8 [n_blocks, 8] (w = d sc q - dmin m)."""
+    scales, mins = _scale_min_k4(blocks[:, 4:16])
+    d = blocks[:, 0:2].contiguous().view(torch.float16).reshape(-1)
+    dmin = blocks[:, 2:4].contiguous().view(torch.float16).reshape(-1)
+    return d, dmin, scales.squeeze(-1).to(torch.uint8), mins.squeeze(-1).to(torch.uint8)
+
+
 def q6_k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w = d c (q - 32): q uint8 in 0..63 [n_blocks, 256], c int8 per 16 [n_blocks, 16],
     d float32 [n_blocks, 1]."""

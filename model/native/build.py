@@ -41,6 +41,8 @@ SOURCES = (
     "int4_matmul.c",
     "int4_pack.c",
     "int4_matmul_a8.c",
+    "int4k_matmul.c",
+    "int4k_matmul_a8.c",
     "int5_matmul.c",
     "int5_matmul_a8.c",
     "int6_matmul.c",
@@ -77,6 +79,7 @@ HEADERS = (
     "moe_layer.h",
     "mxfp4_dpbf16.h",
     "int4_one_row.h",
+    "int4_scales.h",
     "topk_select.h",
 )
 # Fast math lets the compiler vectorise the dot products, sums and exponentials (glibc's

@@ -40,6 +40,10 @@ int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, cons
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 int int4_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                         const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
+int int4k_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *sz,
+                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
+int int4k_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+                         const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n_out, int64_t k);
 
 int int8_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *scales,
                      float *y, int64_t rows, int64_t n_out, int64_t k);
@@ -69,6 +73,10 @@ static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, ui
         return int4_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == INT4_A8)
         return int4_matmul_a8_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
+    if (w->kind == INT4K)
+        return int4k_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
+    if (w->kind == INT4K_A8)
+        return int4k_matmul_a8_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == INT5)
         return int5_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == INT5_A8)

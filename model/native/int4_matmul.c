@@ -18,7 +18,19 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "int4_scales.h"
 #include "tiles.h"
+
+/* The entry points' names: int4k_ for the superblock layout (int4k_matmul.c). */
+#ifdef INT4_SUPERBLOCKS
+#define INT4_MATMUL_KIND int4k_matmul_kind
+#define INT4_MATMUL_BF16 int4k_matmul_bf16
+#define INT4_MATMUL_AROUND_BF16 int4k_matmul_around_bf16
+#else
+#define INT4_MATMUL_KIND int4_matmul_kind
+#define INT4_MATMUL_BF16 int4_matmul_bf16
+#define INT4_MATMUL_AROUND_BF16 int4_matmul_around_bf16
+#endif
 
 /* Blocks take two tiles from this many rows on. */
 #define PAIRED_ROWS 16
@@ -70,8 +82,8 @@ static inline __attribute__((always_inline)) void tile_block(
             }
         }
         for (int j = 0; j < tiles; j++) {
-            const __m512 scale = bf16x16_to_ps(sz + j * tile_scales + g * 2 * TILE);
-            const __m512 zero = bf16x16_to_ps(sz + j * tile_scales + g * 2 * TILE + TILE);
+            __m512 scale, zero;
+            int4_scale_zero16(sz + j * tile_scales, g, &scale, &zero);
             for (int m = 0; m < rows; m++) {
                 total[m][j] = _mm512_fmadd_ps(part[m][j], scale, total[m][j]);
                 total[m][j] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[m * groups + g]), zero,
@@ -93,11 +105,6 @@ static inline __attribute__((always_inline)) void tile_block(
 /* The fp32 copy of x the FMA loop broadcasts from (one load per value, where a bf16 value
  * would take a load, a shift and a broadcast). */
 #define X_FP32 1
-
-static inline __m256 bf16x8_to_ps(const uint16_t *p) {
-    const __m256i raw = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
-    return _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
-}
 
 /* Eight columns (`half` of a tile) for `rows` rows (both constants in each caller): per
  * group, each step's 32 bytes widened to fp32 (q - 8) in registers once for all the rows,
@@ -132,8 +139,8 @@ static inline __attribute__((always_inline)) void half_tile(
                     part[m] = _mm256_fmadd_ps(_mm256_broadcast_ss(xk + m * k), wv, part[m]);
             }
         }
-        const __m256 scale = bf16x8_to_ps(sz + g * 2 * TILE + 8 * half);
-        const __m256 zero = bf16x8_to_ps(sz + g * 2 * TILE + TILE + 8 * half);
+        __m256 scale, zero;
+        int4_scale_zero8(sz, g, half, &scale, &zero);
         for (int m = 0; m < rows; m++) {
             total[m] = _mm256_fmadd_ps(part[m], scale, total[m]);
             total[m] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[m * groups + g]), zero, total[m]);
@@ -168,7 +175,7 @@ static inline __attribute__((always_inline)) void tile_block(
 #define X_FP32 0
 #endif
 
-const char *int4_matmul_kind(void) { return INT4_KERNEL; }
+const char *INT4_MATMUL_KIND(void) { return INT4_KERNEL; }
 
 /* Sum of each row's x over each group, for the zeros (w x summed = scale (q - 8) x summed +
  * zero x summed), and the fp32 copy of x where the loop reads one. Returns 2 when out of
@@ -199,7 +206,7 @@ static int row_sums(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t k
  * without a barrier) first, then each thread's tiles, one barrier, then `after` over the
  * columns [c0, c1) of the calling thread's tiles, still in its cache. Returns 1 for more
  * rows (nothing computed). */
-int int4_matmul_around_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
+int INT4_MATMUL_AROUND_BF16(const uint16_t *x, int64_t x_stride, const uint8_t *w,
                             const uint16_t *sz, uint16_t *y, int64_t rows, int64_t n_out,
                             int64_t k, void (*before)(const void *),
                             void (*after)(const void *, int64_t, int64_t), const void *context) {
@@ -207,7 +214,7 @@ int int4_matmul_around_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *
     if (rows >= PAIRED_ROWS) return 1;
     float *xsum, *xf;
     if (row_sums(x, x_stride, rows, k, &xsum, &xf)) return 2;
-    const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
+    const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * INT4_SCALE_UNITS;
 #define SINGLE(n)                                                                          \
     tile_block(x + m0 * x_stride, x_stride, X_FP32 ? xf + m0 * k : NULL, xsum + m0 * groups,   \
                groups, w + t * tile_bytes, tile_bytes, sz + t * tile_scales, tile_scales,      \
@@ -243,14 +250,14 @@ int int4_matmul_around_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *
 /* x [rows, x_stride] bf16 (k contiguous); w, sz as above for n_out columns; y [rows,
  * n_out] bf16. n_out % 16 == 0 and k % 32 == 0, checked by the caller. Returns 0, or 2
  * when out of memory. */
-int int4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *sz,
+int INT4_MATMUL_BF16(const uint16_t *x, int64_t x_stride, const uint8_t *w, const uint16_t *sz,
                      uint16_t *y, int64_t rows, int64_t n_out, int64_t k) {
     if (rows < PAIRED_ROWS)
-        return int4_matmul_around_bf16(x, x_stride, w, sz, y, rows, n_out, k, NULL, NULL, NULL);
+        return INT4_MATMUL_AROUND_BF16(x, x_stride, w, sz, y, rows, n_out, k, NULL, NULL, NULL);
     const int64_t groups = k / GROUP, tiles = n_out / TILE;
     float *xsum, *xf;
     if (row_sums(x, x_stride, rows, k, &xsum, &xf)) return 2;
-    const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * 2 * TILE;
+    const int64_t tile_bytes = k * TILE / 2, tile_scales = groups * INT4_SCALE_UNITS;
 #define BLOCK(n, pair)                                                                     \
     tile_block(x + m0 * x_stride, x_stride, X_FP32 ? xf + m0 * k : NULL, xsum + m0 * groups,   \
                groups, w + t * tile_bytes, tile_bytes, sz + t * tile_scales, tile_scales,      \

@@ -13,6 +13,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "int4_scales.h"
 #include "tiles.h"
 
 /* One row, one thread, the tile in L2 or L3: two groups at once gained 5-8%, four 15-25%,
@@ -20,11 +21,6 @@
 #define ONE_ROW_GROUPS 4
 
 static inline __m512bh as_bh(__m512i v) { return (__m512bh)v; }
-
-static inline __m512 bf16x16_to_ps(const uint16_t *p) {
-    __m256i raw = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
 
 /* One step's 32 bytes (see int4_matmul.c) as bf16 q - 8: low nibbles, high nibbles. The
  * table holds q - 8 for q = 0..15 twice: vpermw reads five index bits, and the fifth is
@@ -62,8 +58,8 @@ static inline __attribute__((always_inline)) __m512 one_row_groups(
             part[a] = _mm512_dpbf16_ps(part[a], as_bh(_mm512_set1_epi32(pair1)), hi);
         }
     for (int a = 0; a < count; a++) {
-        const __m512 scale = bf16x16_to_ps(sz + (g + a) * 2 * TILE);
-        const __m512 zero = bf16x16_to_ps(sz + (g + a) * 2 * TILE + TILE);
+        __m512 scale, zero;
+        int4_scale_zero16(sz, g + a, &scale, &zero);
         total = _mm512_fmadd_ps(part[a], scale, total);
         total = _mm512_fmadd_ps(_mm512_set1_ps(xsum[g + a]), zero, total);
     }

@@ -6,21 +6,22 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "int4_scales.h"
 #include "tiles.h"
 
 /* Portable version: each group of the tile is expanded to fp32 once per block of rows, and
  * the compiler vectorises the 16 columns. One row's sums are a call of their own, so that
  * fast math cannot order them differently for blocks of a different size. */
 static __attribute__((noinline)) void row_group(
-    const float wq[GROUP][TILE], const uint16_t *xg, const uint16_t *scale,
-    const uint16_t *zero, float xsum, float total[TILE]) {
+    const float wq[GROUP][TILE], const uint16_t *xg, const float scale[TILE],
+    const float zero[TILE], float xsum, float total[TILE]) {
     float part[TILE] = {0};
     for (int k = 0; k < GROUP; k++) {
         const float xv = from_bf16(xg[k]);
         for (int i = 0; i < TILE; i++) part[i] += xv * wq[k][i];
     }
     for (int i = 0; i < TILE; i++)
-        total[i] += part[i] * from_bf16(scale[i]) + xsum * from_bf16(zero[i]);
+        total[i] += part[i] * scale[i] + xsum * zero[i];
 }
 
 static inline void one_tile(
@@ -37,9 +38,11 @@ static inline void one_tile(
                     wq[4 * s + e][i] = (float)(byte & 15) - 8.0f;
                     wq[4 * s + 2 + e][i] = (float)(byte >> 4) - 8.0f;
                 }
+        float scale[TILE], zero[TILE];
+        for (int i = 0; i < TILE; i++) int4_scale_zero_at(sz, g, i, &scale[i], &zero[i]);
         for (int m = 0; m < rows; m++)
-            row_group(wq, x + m * x_stride + g * GROUP, sz + g * 2 * TILE,
-                      sz + g * 2 * TILE + TILE, xsum[m * groups + g], total[m]);
+            row_group(wq, x + m * x_stride + g * GROUP, scale, zero, xsum[m * groups + g],
+                      total[m]);
     }
     for (int m = 0; m < rows; m++)
         for (int i = 0; i < TILE; i++) y[m * y_stride + i] = to_bf16(total[m][i]);

@@ -77,11 +77,23 @@ def decode_output(status: int, out: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-# decoder_layer.c's weight kinds: int4 with bf16 or int8 activations, grouped int8, int5, int6,
-# MXFP4 with bf16 or int8 activations, int6 and grouped int8 with int8 activations
-INT4, INT4_A8, INT8_GROUPS, INT5, INT6, INT5_A8, MXFP4, MXFP4_A8, INT6_A8, INT8_GROUPS_A8 = range(
-    10
-)
+# decoder_layer.c's weight kinds (layer_weight.h): int4 with bf16 or int8 activations,
+# grouped int8, int5, int6, MXFP4 with bf16 or int8 activations, int6 and grouped int8 with
+# int8 activations, int4 in superblocks with bf16 or int8 activations
+(
+    INT4,
+    INT4_A8,
+    INT8_GROUPS,
+    INT5,
+    INT6,
+    INT5_A8,
+    MXFP4,
+    MXFP4_A8,
+    INT6_A8,
+    INT8_GROUPS_A8,
+    INT4K,
+    INT4K_A8,
+) = range(12)
 # A projection as the C layer reads it: weight bytes, scales, kind.
 NativeWeight = tuple[torch.Tensor, torch.Tensor, int]
 

@@ -7,12 +7,13 @@
 
 /* How a projection's weight is stored and multiplied. */
 enum { INT4 = 0, INT4_A8 = 1, INT8_GROUPS = 2, INT5 = 3, INT6 = 4, INT5_A8 = 5, MXFP4 = 6,
-       MXFP4_A8 = 7, INT6_A8 = 8, INT8_GROUPS_A8 = 9 };
+       MXFP4_A8 = 7, INT6_A8 = 8, INT8_GROUPS_A8 = 9, INT4K = 10, INT4K_A8 = 11 };
 
 typedef struct {
     const uint8_t *weight; /* int4_matmul.c's, int5_, int6_ or int8_matmul.c's layout; MXFP4:
                               GGUF's blocks, scales within */
-    const void *scales;    /* int4: bf16 scale and zero pairs; int5, grouped int8: fp16; int6: fp32 */
+    const void *scales;    /* int4: bf16 scale and zero pairs, int4k: superblocks
+                              (int4_scales.h); int5, grouped int8: fp16; int6: fp32 */
     int64_t kind;
 } layer_weight;
 

@@ -22,6 +22,8 @@ from model.config import ModelConfig
 from model.native.layer import (
     INT4,
     INT4_A8,
+    INT4K,
+    INT4K_A8,
     INT5,
     INT5_A8,
     INT6,
@@ -232,7 +234,10 @@ class DecoderLayer(nn.Module):
 def _native_weight(proj: nn.Module) -> NativeWeight | None:
     """A projection as the C layer reads it; None where no C kernel multiplies it."""
     if isinstance(proj, Int4Linear) and proj.kernel in NATIVE_INT4_KERNELS:
-        kind = INT4_A8 if proj.kernel == "native_a8" else INT4
+        if proj.superblocks:
+            kind = INT4K_A8 if proj.kernel == "native_a8" else INT4K
+        else:
+            kind = INT4_A8 if proj.kernel == "native_a8" else INT4
         return proj.weight_int4, proj.scales_and_zeros, kind
     if isinstance(proj, Int8GroupLinear) and not proj.fp32_output:
         return (

@@ -7,6 +7,9 @@ when it is built.
 A GGUF Q4_0, Q4_1 or Q4_K group (w = step q + low, q in 0..15) is int4 as it is: the scale
 is the step and the zero low + 8 step, read from the file's blocks
 (model/checkpoint/file_blocks.py) or found again in their values (model/quant/file_grid.py).
+A layer whose every row came from Q4_K blocks keeps them exactly, on the C kernels, in the
+superblock layout of its scales (model/native/int4k.py): 4.625 bits a weight, not 5, where
+that build's loops gain from it.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ from collections.abc import Callable
 import torch
 from gguf import GGMLQuantizationType as T
 
-from model.checkpoint.dequant import q4_grid
+from model.checkpoint.dequant import q4_grid, q4_k_superblocks
 from model.checkpoint.file_blocks import FileBlocks
 from model.errors import UnsupportedFormatError
-from model.native.ops import NativeInt4Matmul, native_int4_matmul
+from model.native.int4k import SUPERBLOCK, int4_matmul_for, superblock_scales, superblocks_pay
+from model.native.ops import NativeInt4Matmul
 from model.quant.base import INT4_GROUP, QuantizedLinear
 from model.quant.file_grid import file_grid
 
@@ -61,6 +65,10 @@ class Int4Linear(QuantizedLinear):
             kernel = "torch" if "torch" in allowed else allowed[0]
         self.kernel, self.allowed = kernel, allowed
         self._native: Callable[..., torch.Tensor] | None = None
+        # Q4_K's own fields of the rows that came from Q4_K blocks: d, dmin, sc, m.
+        self._superblocks: tuple[torch.Tensor, ...] | None = None
+        self._superblock_rows = 0
+        self.superblocks = False  # whether the scales are in the superblock layout
         groups = in_features // INT4_GROUP
         self.register_buffer(
             "scales_and_zeros",
@@ -78,9 +86,25 @@ class Int4Linear(QuantizedLinear):
         self._stage_grid(row, q.to(torch.uint8), scale, low)
 
     def _stage_blocks(self, row: int, weight: FileBlocks) -> None:
-        q, step, low = q4_grid(weight.blocks(), weight.qtype)
+        blocks = weight.blocks()
+        q, step, low = q4_grid(blocks, weight.qtype)
         rows = weight.shape[0]
         self._stage_grid(row, q, step.reshape(rows, -1, 1), low.reshape(rows, -1, 1))
+        if weight.qtype == T.Q4_K and self.kernel in NATIVE_INT4_KERNELS and superblocks_pay():
+            self._stage_superblocks(row, rows, q4_k_superblocks(blocks))
+
+    def _stage_superblocks(self, row: int, rows: int, fields: tuple[torch.Tensor, ...]) -> None:
+        if self._superblocks is None:
+            supers, groups = self.in_features // SUPERBLOCK, self.in_features // INT4_GROUP
+            self._superblocks = (
+                torch.empty(self.out_features, supers, dtype=torch.float16),
+                torch.empty(self.out_features, supers, dtype=torch.float16),
+                torch.empty(self.out_features, groups, dtype=torch.uint8),
+                torch.empty(self.out_features, groups, dtype=torch.uint8),
+            )
+        for staged, field in zip(self._superblocks, fields, strict=True):
+            staged[row : row + rows] = field.reshape(rows, -1)
+        self._superblock_rows += rows
 
     def _stage_grid(
         self, row: int, q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor
@@ -94,11 +118,15 @@ class Int4Linear(QuantizedLinear):
 
     def _pack(self) -> None:
         if self.kernel in NATIVE_INT4_KERNELS:
-            self._native = native_int4_matmul(self.kernel)
+            self.superblocks = self._superblock_rows == self.out_features
+            self._native = int4_matmul_for(self.kernel, self.superblocks)
             # Replaced, not kept beside: the weight exists once, in the kernel's layout.
             self.weight_int4, self.scales_and_zeros = NativeInt4Matmul.pack(
                 self._staging, self.scales_and_zeros
             )
+            if self.superblocks:
+                self.scales_and_zeros = superblock_scales(*self._superblocks)
+            self._superblocks = None
         else:
             q = self._staging.to(torch.int32)
             self.weight_int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
@@ -110,7 +138,7 @@ class Int4Linear(QuantizedLinear):
             raise ValueError(f"int4 kernel {self.kernel!r} cannot become {kernel!r}")
         self.kernel = kernel
         if self._native is not None:
-            self._native = native_int4_matmul(kernel)
+            self._native = int4_matmul_for(kernel, self.superblocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
@@ -123,4 +151,5 @@ class Int4Linear(QuantizedLinear):
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, kernel={self.kernel}"
+        layout = ", superblocks" if self.superblocks else ""
+        return f"{super().extra_repr()}, kernel={self.kernel}{layout}"
