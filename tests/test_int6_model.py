@@ -10,13 +10,14 @@ import torch
 from gguf import GGMLQuantizationType
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from model.config import ModelConfig
 from model.loader import load_model
 from model.native.layer import INT6_A8, INT8_GROUPS_A8
 from model.network.batch import Batch
 from model.network.decoder_layer import _native_weight
 from model.network.llama import Llama
 from model.network.paged_cache import PagedKVCache
-from model.plan import build, int4_kernel, layer_formats, weight_format
+from model.plan import build, head_format, int4_kernel, layer_formats, tuning, weight_format
 from model.quant.int4 import Int4Linear
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
@@ -90,14 +91,52 @@ def test_q6_k_layers_and_head_run_in_int6_where_it_times_no_slower(
     assert all(layer.native is not None for layer in model.layers)  # the C decoder layer
 
     exact = load_model(path, dtype="float32", quantization="none", progress=False).model
+    assert isinstance(exact.lm_head, torch.nn.Linear)  # a float model keeps a float head
     ids = list(range(3, 200, 7))
-    # The embedding's rows come out of the packed head as the file holds them.
-    assert torch.equal(
-        model._embed(torch.tensor(ids)).float(),
-        exact._embed(torch.tensor(ids)).bfloat16().float(),
-    )
+    rows = model._embed(torch.tensor(ids)).float()
+    exact_rows = exact._embed(torch.tensor(ids)).bfloat16().float()
+    if int6_pays:  # the embedding's rows come out of the packed head as the file holds them
+        assert torch.equal(rows, exact_rows)
+    else:  # grouped int8 holds Q6_K within half a step of 1/127 of a group's largest
+        assert (rows - exact_rows).abs().max() <= exact_rows.abs().max() / 127
     difference = (logprobs(model, ids) - logprobs(exact, ids)).abs().max().item()
     assert difference < 0.08  # 0.04 here; a head 5% off: 0.2
+
+
+@pytest.mark.parametrize("quantized_faster", [True, False])
+def test_the_head_is_timed_in_the_format_it_would_take(
+    tmp_path, monkeypatch, quantized_faster
+) -> None:
+    """A Q6_K head would run in int6: int6 is what is timed against bf16, not grouped int8."""
+    path = write_q6_k_gguf(tmp_path)
+    monkeypatch.setenv(tuning.STORE_ENV, str(tmp_path))
+    monkeypatch.setattr(
+        weight_format, "layer_step_ms", lambda c, fmt, *_: 1.0 if fmt.quantization else 9.0
+    )
+    monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: "native")
+    monkeypatch.setattr(layer_formats, "int6_and_int8g_ms", lambda *_: (1.0, 2.0))
+    monkeypatch.setattr(layer_formats, "q6_k_in_w6a8", lambda *_: False)
+    timed = []
+
+    def head_ms(config, candidate: str) -> tuple[float, float]:
+        timed.append(candidate)
+        return (1.0, 2.0) if quantized_faster else (2.0, 1.0)
+
+    monkeypatch.setattr(head_format, "_head_ms", head_ms)
+    model = load_model(path, dtype="auto", quantization="auto", progress=False).model
+    assert timed == ["int6"]
+    head = Int6Linear if quantized_faster else torch.nn.Linear
+    assert type(model.lm_head) is head
+    timed.clear()
+    load_model(path, dtype="float32", quantization="none", progress=False)
+    assert timed == []  # a float model keeps a float head, untimed
+
+
+def test_the_head_timing_builds_the_format_it_names(tmp_path) -> None:
+    config = ModelConfig.from_hf_dir(write_q6_k_gguf(tmp_path).parent / "hf")
+    for candidate in ("int6", "w6a8", "int8", "w8a8"):
+        quantized_ms, bf16_ms = head_format._head_ms(config, candidate)
+        assert quantized_ms > 0 and bf16_ms > 0
 
 
 @pytest.mark.parametrize("embedding", [GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q8_0])

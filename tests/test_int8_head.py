@@ -127,15 +127,15 @@ def test_chosen_only_where_the_file_quantises_it_and_faster(monkeypatch) -> None
     config = ModelConfig(
         dim=64, n_layers=1, n_heads=4, n_kv_heads=4, head_dim=16, ffn_dim=128, vocab_size=512
     )
-    monkeypatch.setattr(head_format, "_head_ms", lambda _: (1.0, 2.0))
+    monkeypatch.setattr(head_format, "_head_ms", lambda *_: (1.0, 2.0))
     assert choose_head_int8(config, INT4, True, CPU)
     assert not choose_head_int8(config, INT4, False, CPU)  # a float head stays in floats
     assert not choose_head_int8(config, WeightFormat(torch.bfloat16), True, CPU)
     assert not choose_head_int8(config, WeightFormat(torch.float32, "int4"), True, CPU)
-    monkeypatch.setattr(head_format, "_head_ms", lambda _: (2.0, 1.0))
+    monkeypatch.setattr(head_format, "_head_ms", lambda *_: (2.0, 1.0))
     assert not choose_head_int8(config, INT4, True, CPU)
 
-    def unavailable(_) -> None:
+    def unavailable(*_) -> None:
         raise NativeUnavailable("no C compiler (cc or gcc) on PATH")
 
     monkeypatch.setattr(head_format, "_head_ms", unavailable)

@@ -209,7 +209,7 @@ def test_llamaserve_tune_measures_and_stores_every_choice(tmp_path) -> None:
     assert kinds == {
         "int4_kernel_ms",
         "linear_layers_ms",
-        "output_projection_ms",
+        "output_projection_cold_ms",
         "prefill_ms_per_token",
         *probed,
     }

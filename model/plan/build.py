@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.config import ModelConfig
-from model.plan.head_format import head_int8
+from model.plan.head_format import head_int8, head_int8_applies
 from model.plan.int4_kernel import int4_format_kernel
 from model.plan.kernel_plan import Int4Kernels, KernelPlan, attention_name, native_argmax_available
 from model.plan.layer_formats import (
@@ -67,8 +67,13 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         mode=mode,
     )
     head = None
-    if flags.quantized_head and head_int8(mode, config, fmt, facts.head_quantized, dev):
-        head = quantized_head_format(config, facts.head_block_type, fmt, mode)
+    quantized = facts.head_quantized
+    if flags.quantized_head and mode != "torch" and head_int8_applies(config, fmt, quantized, dev):
+        # The format it would take, timed against bf16 (model/plan/head_format.py).
+        candidate = quantized_head_format(config, facts.head_block_type, fmt, mode)
+        if head_int8(mode, config, fmt, quantized, dev, candidate):
+            head = candidate
+        print("DEBUG head", candidate, head, quantized, facts.head_block_type)
     own = layer_quantizations(
         fmt,
         config,
