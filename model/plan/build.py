@@ -73,7 +73,6 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         candidate = quantized_head_format(config, facts.head_block_type, fmt, mode)
         if head_int8(mode, config, fmt, quantized, dev, candidate):
             head = candidate
-        print("DEBUG head", candidate, head, quantized, facts.head_block_type)
     own = layer_quantizations(
         fmt,
         config,
