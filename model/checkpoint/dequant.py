@@ -184,23 +184,25 @@ def q4_grid(blocks: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Te
     return q.unsqueeze(1), step.unsqueeze(1), low.unsqueeze(1)
 
 
-def q4_k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # f16 d, f16 dmin, scales[12], qs[128]: 8 sub-blocks of 32, each with a scale and a min
-    n_blocks = blocks.shape[0]
-    scales, mins = _scale_min_k4(blocks[:, 4:16])
-    step, low = _f16(blocks, 0).unsqueeze(-1) * scales, _f16(blocks, 2).unsqueeze(-1) * mins
-    # Each 32-byte chunk holds sub-block 2k in its low nibbles and 2k+1 in its high ones.
-    q = _split_bits(blocks[:, 16:].reshape(n_blocks, 4, 32), 4).reshape(n_blocks, 8, 32)
-    return q, step, low.neg_()
-
-
 def q4_k_superblocks(blocks: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Q4_K's fields as they are: d and dmin float16 [n_blocks], the 6-bit sub-scales and
     sub-mins uint8 [n_blocks, 8] (w = d sc q - dmin m)."""
+    # f16 d, f16 dmin, scales[12], qs[128]: 8 sub-blocks of 32, each with a scale and a min
     scales, mins = _scale_min_k4(blocks[:, 4:16])
     d = blocks[:, 0:2].contiguous().view(torch.float16).reshape(-1)
     dmin = blocks[:, 2:4].contiguous().view(torch.float16).reshape(-1)
     return d, dmin, scales.squeeze(-1).to(torch.uint8), mins.squeeze(-1).to(torch.uint8)
+
+
+def q4_k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n_blocks = blocks.shape[0]
+    d, dmin, scales, mins = q4_k_superblocks(blocks)
+    # d sc and dmin m, exact in float32 (11 and 6 significant bits): [n_blocks, 8, 1]
+    step = (d.float().unsqueeze(-1) * scales.float()).unsqueeze(-1)
+    low = (dmin.float().unsqueeze(-1) * mins.float()).unsqueeze(-1)
+    # Each 32-byte chunk holds sub-block 2k in its low nibbles and 2k+1 in its high ones.
+    q = _split_bits(blocks[:, 16:].reshape(n_blocks, 4, 32), 4).reshape(n_blocks, 8, 32)
+    return q, step, low.neg_()
 
 
 def q6_k_grid(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
