@@ -86,7 +86,7 @@ static inline __attribute__((always_inline)) void tile_block(
                 /* dx sum (q - 8) xq + 8 sum(x): the rounding of x to xq weighs by q - 8,
                  * as in the plain loop, not by q. */
                 const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(cg->d),
-                                                    _mm512_set1_ps(8.0f * (cg->sum - cg->dsum)));
+                                                    _mm512_set1_ps(cg->offset8));
                 scaled[m] = _mm512_fmadd_ps(part, sc, scaled[m]);
                 total[m] = _mm512_fnmadd_ps(_mm512_set1_ps(cg->sum), low, total[m]);
             }
