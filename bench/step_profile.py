@@ -22,6 +22,7 @@ import torch
 
 from model.loader import load_model
 from model.quant.base import QuantizedLinear
+from model.quant.split import PARTS, SplitLinear
 
 STREAM_ELEMENTS = 64 * 2**20  # 256 MB of fp32 per array: far past any cache
 
@@ -63,7 +64,12 @@ def kernel_name(module: torch.nn.Module) -> str:
 
 def profile(model: torch.nn.Module, repeats: int) -> list[tuple[str, float, float, int]]:
     """(name, best CPU ms, best wall ms, bytes) of every quantised linear layer."""
-    modules = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    # A split layer (model/quant/split.py) is timed part by part.
+    modules = [
+        (n, m)
+        for n, m in model.named_modules()
+        if isinstance(m, QuantizedLinear) and not isinstance(m, SplitLinear)
+    ]
     inputs = {n: torch.randn(1, m.in_features).bfloat16() for n, m in modules}
     cpu = dict.fromkeys(inputs, float("inf"))
     wall = dict.fromkeys(inputs, float("inf"))
@@ -99,6 +105,8 @@ def main() -> None:
         module = modules[name]
         shape = f"{module.out_features}x{module.in_features}"
         layer = name.rsplit(".", 1)[-1]
+        if layer in PARTS:  # 'qkv_proj.first'
+            layer = ".".join(name.rsplit(".", 2)[-2:])
         key = (layer, type(module).__name__, kernel_name(module), shape)
         g = groups[key]
         g[0] += 1

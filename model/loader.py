@@ -96,6 +96,7 @@ def load_model(
         attention_backend,
         cpu_kernels,
         quantized_head=tp is None,
+        tensor_parallel=tp is not None,
         facts=checkpoint_facts(checkpoint),
     )
     plan = build_kernel_plan(config, device, flags)
@@ -130,6 +131,7 @@ def checkpoint_facts(checkpoint: Checkpoint) -> CheckpointFacts:
         checkpoint.mxfp4_linears,
         checkpoint.head_quantized,
         checkpoint.head_block_type,
+        checkpoint.split_qkv_linears,
     )
 
 

@@ -12,7 +12,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from model.config import ModelConfig
 from model.loader import load_model
-from model.native.layer import INT6_A8, INT8_GROUPS_A8
+from model.native.layer_weight import INT6_A8, SPLIT
 from model.network.batch import Batch
 from model.network.decoder_layer import _native_weight
 from model.network.llama import Llama
@@ -21,6 +21,7 @@ from model.plan import build, head_format, int4_kernel, layer_formats, tuning, w
 from model.quant.int4 import Int4Linear
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
+from model.quant.split import SplitLinear
 from tests.engine_driver import assert_batch_invariant
 from tests.tiny_families import write_gguf
 from tests.tiny_models import write_tiny_tokenizer
@@ -144,8 +145,9 @@ def test_q6_k_layers_and_head_take_int8_activations_in_w4a8_without_bf16_product
     tmp_path, monkeypatch, embedding
 ) -> None:
     """Where the CPU has no bf16 products (AVX2), w4a8's Q6_K layers and Q6_K head run on
-    int6_matmul_a8.c, the same packed bytes, llama.cpp's rounding of the activations; the
-    Q/K/V layer that mixes Q4_1 with a Q6_K V, and a Q8_0 head, on int8_matmul_a8.c."""
+    int6_matmul_a8.c, the same packed bytes, llama.cpp's rounding of the activations (the
+    Q/K/V layer that mixes Q4_1 with a Q6_K V too, its V part: tests/test_split_qkv.py), and
+    a Q8_0 head on int8_matmul_a8.c."""
     path = write_q6_k_gguf(tmp_path, embedding)
     monkeypatch.setattr(build, "head_int8", lambda *_: True)
     monkeypatch.setattr(int4_kernel, "choose_int4_kernel", lambda *_: "native_a8")
@@ -156,8 +158,8 @@ def test_q6_k_layers_and_head_take_int8_activations_in_w4a8_without_bf16_product
     assert isinstance(down, Int6Linear) and down.int8_activations
     assert _native_weight(down)[2] == INT6_A8
     qkv = model.layers[0].qkv_proj
-    assert isinstance(qkv, Int8GroupLinear) and qkv.int8_activations
-    assert _native_weight(qkv)[2] == INT8_GROUPS_A8
+    assert isinstance(qkv, SplitLinear) and qkv.second.int8_activations
+    assert _native_weight(qkv)[2] == SPLIT
     head = Int6Linear if embedding == GGMLQuantizationType.Q6_K else Int8GroupLinear
     assert isinstance(model.lm_head, head) and model.lm_head.int8_activations
     assert all(layer.native is not None for layer in model.layers)

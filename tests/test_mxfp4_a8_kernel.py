@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize as gguf_dequantize
 
 from model.checkpoint.file_blocks import FileBlocks
-from model.native.layer import MXFP4, MXFP4_A8
+from model.native.layer_weight import MXFP4, MXFP4_A8
 from model.native.mxfp4 import NativeMxfp4Matmul
 from model.network.decoder_layer import _native_weight
 from model.plan.build import mxfp4_kernel

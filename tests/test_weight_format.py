@@ -13,7 +13,7 @@ from model.config import ModelConfig
 from model.errors import UnsupportedFormatError
 from model.loader import load_model
 from model.native.build import cpu_flags
-from model.native.layer import INT5_A8
+from model.native.layer_weight import INT5_A8
 from model.native.ops import NativeInt4Matmul
 from model.network.batch import Batch
 from model.network.decoder_layer import _native_weight
@@ -30,6 +30,7 @@ from model.plan.weight_format import (
 from model.quant.int4 import Int4Linear
 from model.quant.int5 import Int5Linear
 from model.quant.int8_group import Int8GroupLinear
+from model.quant.split import SplitLinear
 from tests.native_builds import MACHINE_ISAS
 from tests.tiny_families import write_gguf
 from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
@@ -234,7 +235,7 @@ def test_a_mixed_gguf_runs_q5_0_layers_in_int5_where_it_times_no_slower(
     mixed = load_model(path, dtype="auto", quantization="auto", progress=False).model
     q5 = Int5Linear if int5_ms == 1.0 else Int8GroupLinear  # 2.0: past NEAR_TIE of 1.0
     assert layer_kinds(mixed) == [
-        [Int8GroupLinear, Int4Linear, Int4Linear, Int4Linear],
+        [SplitLinear, Int4Linear, Int4Linear, Int4Linear],
         [Int4Linear, Int4Linear, q5, q5],
     ]
     # A quantization asked for by name is what runs.
@@ -252,9 +253,12 @@ def test_a_mixed_gguf_runs_its_4_bit_layers_in_int4_and_the_rest_in_int8g(
     )
     mixed = load_model(path, dtype="auto", quantization="auto", progress=False).model
     assert layer_kinds(mixed) == [
-        [Int8GroupLinear, Int4Linear, Int4Linear, Int4Linear],
+        [SplitLinear, Int4Linear, Int4Linear, Int4Linear],
         [Int4Linear, Int4Linear, Int5Linear, Int5Linear],
     ]
+    # Layer 0's Q and K in int4, its V in grouped int8 (tests/test_split_qkv.py).
+    qkv = mixed.layers[0].qkv_proj
+    assert (type(qkv.first), type(qkv.second)) == (Int4Linear, Int8GroupLinear)
     # int4 holds Q4_1, grouped int8 Q8_0 and int5 Q5_0 exactly: what is left is bf16
     # activations, as for bf16 + int8g on float weights.
     exact = load_model(path, dtype="float32", quantization="none", progress=False).model
@@ -266,12 +270,12 @@ def test_w4a8_on_a_mixed_gguf_keeps_its_wider_layers_and_rounds_every_activation
 ) -> None:
     """Asked for on a Q4_K_M-like file: its 4-bit layers in int4 and its Q5_0 ones in int5,
     each on the kernel that rounds the activations to int8 (w5a8 for Q5_0, llama.cpp's
-    arithmetic for both); Q8_0 stays in grouped int8. Nothing is rounded to 4 bits that the
-    file held in more."""
+    arithmetic for both); Q8_0 stays in grouped int8 (layer 0's V, beside its Q and K in
+    int4). Nothing is rounded to 4 bits that the file held in more."""
     path = write_mixed_gguf(tmp_path)
     w4a8 = load_model(path, dtype="auto", quantization="w4a8", progress=False).model
     assert layer_kinds(w4a8) == [
-        [Int8GroupLinear, Int4Linear, Int4Linear, Int4Linear],
+        [SplitLinear, Int4Linear, Int4Linear, Int4Linear],
         [Int4Linear, Int4Linear, Int5Linear, Int5Linear],
     ]
     projections = [proj for layer in w4a8.layers for proj in layer.modules()]

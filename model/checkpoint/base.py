@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -33,6 +34,8 @@ class Checkpoint(ABC):
     # their own formats).
     q5_0_linears: frozenset[str] = frozenset()
     q6_k_linears: frozenset[str] = frozenset()
+    # Fused Q/K/V layers whose V alone is stored wider than Q and K, with both block types.
+    split_qkv_linears: Mapping[str, tuple[str, str]] = MappingProxyType({})
     # Linear layers whose every matrix is MXFP4: held so whatever the model's format.
     mxfp4_linears: frozenset[str] = frozenset()
     # The output projection is stored in a block type of at most 8 bits (grouped int8 holds it).

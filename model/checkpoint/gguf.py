@@ -20,6 +20,7 @@ from model.checkpoint.gguf_weights import (
     linears_all_in,
     output_block_type,
     output_quantized,
+    split_qkv_linears,
     wide_linears,
 )
 from model.checkpoint.packed_embedding import PackedEmbedding
@@ -42,6 +43,7 @@ class GGUFCheckpoint(Checkpoint):
         self.wide_linears = wide_linears(self.gguf)
         self.q5_0_linears = linears_all_in(self.gguf, "Q5_0")
         self.q6_k_linears = linears_all_in(self.gguf, "Q6_K")
+        self.split_qkv_linears = split_qkv_linears(self.gguf)
         self.mxfp4_linears = linears_all_in(self.gguf, "MXFP4")
         self.head_quantized = output_quantized(self.gguf)
         self.head_block_type = output_block_type(self.gguf)

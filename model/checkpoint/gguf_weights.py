@@ -216,6 +216,28 @@ def wide_linears(gguf: GGUFFile, bits: int = 4) -> frozenset[str]:
     )
 
 
+def split_qkv_linears(gguf: GGUFFile) -> dict[str, tuple[str, str]]:
+    """Fused Q/K/V layers ('layers.3.qkv_proj') whose V alone is stored wider than Q and K,
+    with (Q and K's block type, V's): a Q4_K_M file keeps Q and K in Q4_K (or Q5_0) and V
+    in Q6_K (or Q8_0) in some layers, and the layer then holds Q and K in their own format
+    and V in its own (model/quant/split.py) rather than all three in grouped int8. Q and K
+    are both 4-bit types or both Q5_0, the types with a format of their own."""
+    parts: dict[str, dict[str, str]] = {}
+    for t in gguf.tensors:
+        m = _LAYER_RE.fullmatch(t.name)
+        if m and m.group(2) in ("attn_q", "attn_k", "attn_v") and m.group(3) == "weight":
+            key = f"layers.{m.group(1)}.qkv_proj"
+            parts.setdefault(key, {})[m.group(2)] = t.tensor_type.name
+    split = {}
+    for key, types in parts.items():
+        q, k, v = (types.get(name) for name in ("attn_q", "attn_k", "attn_v"))
+        bits = {_TYPE_BITS.get(q or ""), _TYPE_BITS.get(k or "")}
+        same = bits == {4} and "MXFP4" not in (q, k) or q == k == "Q5_0"
+        if same and max(bits) < _TYPE_BITS.get(v or "", 16) <= 8:
+            split[key] = (q, v)
+    return split
+
+
 def linears_all_in(gguf: GGUFFile, block_type: str) -> frozenset[str]:
     """Our linear layers whose every matrix is stored in `block_type`: Q5_0, which int5
     holds exactly (model/quant/int5.py), or Q6_K, which int6 does (model/quant/int6.py)."""

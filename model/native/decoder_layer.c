@@ -65,10 +65,15 @@ int mxfp4_matmul_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, uin
 int mxfp4_matmul_a8_bf16(const uint16_t *x, int64_t x_stride, const uint8_t *w, uint16_t *y,
                          int64_t rows, int64_t n_out, int64_t k);
 
+static int split_matmul(const split_weight *s, const uint16_t *x, int64_t x_stride, uint16_t *y,
+                        int64_t rows, int64_t n_out, int64_t k);
+
 /* y [rows, n_out] bf16. Grouped int8 sums in fp32, rounded to bf16 as the PyTorch layer
  * rounds Int8GroupLinear's output to the activations' dtype. */
 static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, uint16_t *y,
                   int64_t rows, int64_t n_out, int64_t k) {
+    if (w->kind == SPLIT)
+        return split_matmul((const split_weight *)w->weight, x, x_stride, y, rows, n_out, k);
     if (w->kind == INT4)
         return int4_matmul_bf16(x, x_stride, w->weight, w->scales, y, rows, n_out, k);
     if (w->kind == INT4_A8)
@@ -95,6 +100,29 @@ static int matmul(const layer_weight *w, const uint16_t *x, int64_t x_stride, ui
     int status = int8_matmul_bf16(x, x_stride, w->weight, w->scales, out, rows, n_out, k);
     for (int64_t i = 0; i < rows * n_out && !status; i++) y[i] = to_bf16(out[i]);
     free(out);
+    return status;
+}
+
+/* Each part's product into its columns of y: a lone row's go straight there (a row's
+ * outputs are contiguous), more rows' through a buffer the size of the larger part. */
+static int split_matmul(const split_weight *s, const uint16_t *x, int64_t x_stride, uint16_t *y,
+                        int64_t rows, int64_t n_out, int64_t k) {
+    const int64_t widths[2] = {s->first_rows, n_out - s->first_rows};
+    const layer_weight *parts[2] = {&s->first, &s->second};
+    if (rows == 1) {
+        int status = matmul(parts[0], x, x_stride, y, 1, widths[0], k);
+        return status ? status : matmul(parts[1], x, x_stride, y + widths[0], 1, widths[1], k);
+    }
+    const int64_t widest = widths[0] > widths[1] ? widths[0] : widths[1];
+    uint16_t *part = malloc(sizeof(uint16_t) * rows * widest);
+    if (part == NULL) return 2;
+    int status = 0;
+    for (int64_t p = 0, at = 0; p < 2 && !status; at += widths[p], p++) {
+        status = matmul(parts[p], x, x_stride, part, rows, widths[p], k);
+        for (int64_t r = 0; r < rows && !status; r++)
+            memcpy(y + r * n_out + at, part + r * widths[p], sizeof(uint16_t) * widths[p]);
+    }
+    free(part);
     return status;
 }
 

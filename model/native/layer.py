@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from model.native.build import load_library
+from model.native.layer_weight import NativeWeight, WeightStruct
 from model.native.lora import NativeLoraStep
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -75,33 +76,6 @@ def decode_output(status: int, out: torch.Tensor) -> torch.Tensor | None:
     if status:
         raise MemoryError("decoder layer: out of memory for its buffers")
     return out
-
-
-# decoder_layer.c's weight kinds (layer_weight.h): int4 with bf16 or int8 activations,
-# grouped int8, int5, int6, MXFP4 with bf16 or int8 activations, int6 and grouped int8 with
-# int8 activations, int4 in superblocks with bf16 or int8 activations
-(
-    INT4,
-    INT4_A8,
-    INT8_GROUPS,
-    INT5,
-    INT6,
-    INT5_A8,
-    MXFP4,
-    MXFP4_A8,
-    INT6_A8,
-    INT8_GROUPS_A8,
-    INT4K,
-    INT4K_A8,
-) = range(12)
-# A projection as the C layer reads it: weight bytes, scales, kind.
-NativeWeight = tuple[torch.Tensor, torch.Tensor, int]
-
-
-class WeightStruct(ctypes.Structure):
-    """decoder_layer.c's `layer_weight` (layer_weight.h): same fields, same order."""
-
-    _fields_ = [("weight", _PTR), ("scales", _PTR), ("kind", _I64)]
 
 
 class _DecoderLayer(ctypes.Structure):

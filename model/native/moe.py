@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from model.native.build import load_library
-from model.native.layer import NativeWeight, WeightStruct
+from model.native.layer_weight import NativeWeight, WeightStruct
 
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 

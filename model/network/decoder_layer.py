@@ -19,7 +19,8 @@ from torch import nn
 
 from model.attention.base import AttentionBackend
 from model.config import ModelConfig
-from model.native.layer import (
+from model.native.layer import NativeDecoderLayer, takes_inputs
+from model.native.layer_weight import (
     INT4,
     INT4_A8,
     INT4K,
@@ -32,9 +33,8 @@ from model.native.layer import (
     INT8_GROUPS_A8,
     MXFP4,
     MXFP4_A8,
-    NativeDecoderLayer,
     NativeWeight,
-    takes_inputs,
+    split_weight,
 )
 from model.network.batch import Batch
 from model.network.moe import SparseMoE
@@ -44,6 +44,7 @@ from model.quant.int5 import Int5Linear
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
 from model.quant.mxfp4 import Mxfp4Linear
+from model.quant.split import SplitLinear
 
 NormKernel = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor | None]
 RopeKernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor | None]
@@ -233,6 +234,11 @@ class DecoderLayer(nn.Module):
 
 def _native_weight(proj: nn.Module) -> NativeWeight | None:
     """A projection as the C layer reads it; None where no C kernel multiplies it."""
+    if isinstance(proj, SplitLinear):
+        first, second = _native_weight(proj.first), _native_weight(proj.second)
+        if first is None or second is None:
+            return None
+        return split_weight(first, second, proj.first_rows)
     if isinstance(proj, Int4Linear) and proj.kernel in NATIVE_INT4_KERNELS:
         if proj.superblocks:
             kind = INT4K_A8 if proj.kernel == "native_a8" else INT4K

@@ -28,9 +28,10 @@ from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
 from model.plan.kernel_plan import KernelPlan
 from model.quant.base import QuantizedLinear
-from model.quant.factory import quantized_linear
+from model.quant.factory import quantized_layer
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
+from model.quant.split import PARTS, SplitLinear
 
 logger = logging.getLogger(__name__)
 # Linear layers ('layers.3.down_proj') in another quantization than the model's.
@@ -151,11 +152,11 @@ class Llama(nn.Module):
                     own = layer_quantizations.get(key, quantization)
                     if own is None:  # a float model's layer: stays as it is
                         continue
-                    shape = (child.in_features, child.out_features)
-                    kernel = int4_kernels.get((own, *shape))
                     owner, _, attr = name.rpartition(".")
                     parent = layer.get_submodule(owner) if owner else layer
-                    setattr(parent, attr, quantized_linear(own, *shape, "meta", kernel))
+                    shape = (child.in_features, child.out_features)
+                    module = quantized_layer(own, *shape, layer.config.kv_size, int4_kernels)
+                    setattr(parent, attr, module)
 
     def quantize_head(self, int6: bool = False, int8_activations: bool = False) -> None:
         """Swaps the output projection for an empty grouped-int8 one (or an int6 one, for a
@@ -173,11 +174,12 @@ class Llama(nn.Module):
 
     def quantized_modules(self) -> dict[str, QuantizedLinear]:
         """Parameter-style names ('layers.0.qkv_proj.weight') of the quantised layers."""
-        return {
-            f"{name}.weight": module
-            for name, module in self.named_modules()
-            if isinstance(module, QuantizedLinear)
+        modules = {n: m for n, m in self.named_modules() if isinstance(m, QuantizedLinear)}
+        # A split layer's parts are loaded through it.
+        parts = {
+            f"{n}.{p}" for n, m in modules.items() if isinstance(m, SplitLinear) for p in PARTS
         }
+        return {f"{n}.weight": m for n, m in modules.items() if n not in parts}
 
     @classmethod
     def empty(
@@ -209,9 +211,10 @@ class Llama(nn.Module):
         # The dtype is set while the tensors are still shapes: materialising in fp32 and
         # then casting held both copies of the embedding at once.
         model = materialise(model, dtype, device)
-        for module in model.quantized_modules().values():
+        for module in model.modules():
             # Each kernel reads its scales in its own dtype, whatever the model's.
-            module.to(module.scale_dtype)
+            if isinstance(module, QuantizedLinear) and not isinstance(module, SplitLinear):
+                module.to(module.scale_dtype)
         model.tie_weights()  # materialising gives the tied weight two separate storages
         model.rope, model.rope_local = rotary_embeddings(config, max_position, device)
         return model

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.config import ModelConfig
-from model.native.layer import NativeWeight
+from model.native.layer_weight import NativeWeight
 from model.native.moe import MoeRouter, NativeMoeExperts
 
 

@@ -8,6 +8,7 @@ the loaded model (model/plan/activation_probe.py) that may change their kernels.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -21,9 +22,11 @@ from model.plan.layer_formats import (
     layer_quantizations,
     linear_keys,
     quantized_head_format,
+    split_rows,
 )
 from model.plan.mode import allows_native, check_mode, check_quantization
 from model.plan.weight_format import WeightFormat, resolve_weight_format
+from model.quant.split import split_parts
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,8 @@ class CheckpointFacts:
     mxfp4_linears: frozenset[str] = frozenset()
     head_quantized: bool = False
     head_block_type: str | None = None
+    # (Q and K's block type, V's)
+    split_qkv_linears: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class PlanFlags:
     attention_backend: str = "auto"
     cpu_kernels: str = "auto"
     quantized_head: bool = True  # False under tensor parallelism: the head stays in dtype
+    tensor_parallel: bool = False  # each rank holds some heads' rows of a fused layer
     facts: CheckpointFacts = field(default_factory=CheckpointFacts)
 
 
@@ -83,6 +89,7 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         facts.q6_k_linears,
         mode,
         facts.mxfp4_linears,
+        {} if flags.tensor_parallel else facts.split_qkv_linears,
     )
     return KernelPlan(
         mode=mode,
@@ -106,6 +113,9 @@ def int4_kernels(
     for key in linear_keys(config):
         quantization = own.get(key, fmt.quantization)
         shape = key_shape(config, key)
+        parts = split_parts(quantization)
+        if parts is not None:  # the int4 part of a split Q/K/V layer: Q and K
+            quantization, shape = parts[0], (shape[0], split_rows(config)[0])
         if (quantization, *shape) not in kernels:
             kernel = int4_format_kernel(mode, quantization, *shape, device)
             if quantization == "mxfp4":  # the C kernel wherever it may run, untimed

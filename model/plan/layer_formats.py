@@ -11,7 +11,9 @@ from __future__ import annotations
 import logging
 import math
 from collections import Counter
+from collections.abc import Mapping
 from functools import partial
+from types import MappingProxyType
 
 import torch
 
@@ -24,6 +26,7 @@ from model.plan.weight_format import MEASURED_BATCH_SIZES, NEAR_TIE, WeightForma
 from model.quant.int6 import SUPER_BLOCK as INT6_SUPER_BLOCK
 from model.quant.int6 import Int6Linear, on_grid
 from model.quant.int8_group import Int8GroupLinear
+from model.quant.split import split_name
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +46,7 @@ def layer_quantizations(
     q6_k: frozenset[str] = frozenset(),
     mode: str = "auto",
     mxfp4: frozenset[str] = frozenset(),
+    split_qkv: Mapping[str, tuple[str, str]] = MappingProxyType({}),
 ) -> dict[str, str]:
     """The layers ('layers.3.down_proj') whose quantization is not `fmt.quantization`,
     with their own; `wide`: those stored in more than 4 bits, `q5_0` and `q6_k`: those all
@@ -50,7 +54,10 @@ def layer_quantizations(
     name is kept, but for w4a8's wider layers). In w4a8 Q5_0 layers take w5a8: their own
     format, with the model's int8 activations; so do Q6_K ones (w6a8) where the CPU has no
     bf16 products (`q6_k_in_w6a8`), and there the layers left in grouped int8 (w8a8).
-    `mxfp4`: those all MXFP4, held as they are in any format, on any device."""
+    `mxfp4`: those all MXFP4, held as they are in any format, on any device. `split_qkv`: the
+    fused Q/K/V layers whose V alone is wider, with (Q and K's block type, V's): they hold Q
+    and K in their own format (the model's int4, or int5's for Q5_0) and V in its own
+    (model/quant/split.py), where no tensor parallelism slices them (pass none)."""
     own = dict.fromkeys(wide, fmt.wide) if fmt.wide else {}
     own.update(dict.fromkeys(mxfp4, "mxfp4"))
     native = device.type == "cpu" and allows_native(mode)
@@ -62,22 +69,54 @@ def layer_quantizations(
         return [key for key in keys if own.get(key, fmt.quantization) == INT8G.quantization]
 
     q5 = in_int8g(q5_0)
-    if q5 and int8_activations:
-        own.update(dict.fromkeys(q5, "w5a8"))
-    elif q5 and int5_pays(config, device):
-        own.update(dict.fromkeys(q5, INT5.quantization))
+    # Q/K/V layers whose V alone is wider: Q and K in their own format, V in its own.
+    split = in_int8g(frozenset(split_qkv)) if qkv_splits(config) else []
+    q5_split = [key for key in split if split_qkv[key][0] == "Q5_0"]
+    q5_format = None
+    if int8_activations:
+        q5_format = "w5a8"
+    elif (q5 or q5_split) and int5_pays(config, device):
+        q5_format = INT5.quantization
+    if q5_format is not None:
+        own.update(dict.fromkeys(q5, q5_format))
+    first = {key: q5_format if key in q5_split else fmt.quantization for key in split}
+    split = [key for key in split if first[key] is not None]
     q6 = [key for key in in_int8g(q6_k) if key_shape(config, key)[0] % INT6_SUPER_BLOCK == 0]
+    v_int6 = int6_holds(config.dim, config.kv_size)
     if int8_activations and q6_k_in_w6a8(mode):
         own.update(dict.fromkeys(q6, "w6a8"))
-        # What is left in grouped int8 (Q8_0 layers, fused layers mixing types: a Q/K/V
-        # whose V alone is Q6_K or Q8_0) takes the same int8 activations (w8a8).
+        # What is left in grouped int8 (Q8_0 layers, fused layers mixing types that cannot
+        # be split) takes the same int8 activations (w8a8).
         own.update(dict.fromkeys(in_int8g(frozenset(own)), "w8a8"))
+        for key in split:
+            v = "w6a8" if v_int6 and split_qkv[key][1] == "Q6_K" else "w8a8"
+            own[key] = split_name(first[key], v)
         return own
     for in_features, out_features in sorted({key_shape(config, key) for key in q6}):
         if int6_pays(in_features, out_features):
             same = [key for key in q6 if key_shape(config, key) == (in_features, out_features)]
             own.update(dict.fromkeys(same, INT6.quantization))
+    v_q6_k = [key for key in split if split_qkv[key][1] == "Q6_K"]
+    v_int6 = v_int6 and bool(v_q6_k) and int6_pays(config.dim, config.kv_size)
+    for key in split:
+        v = INT6 if v_int6 and key in v_q6_k else INT8G
+        own[key] = split_name(first[key], v.quantization)
     return own
+
+
+def qkv_splits(config: ModelConfig) -> bool:
+    """Whether a fused Q/K/V layer can be held as Q and K in one format and V in another:
+    both parts whole tiles of 16 rows."""
+    return (config.q_size + config.kv_size) % 16 == 0 and config.kv_size % 16 == 0
+
+
+def int6_holds(in_features: int, out_features: int) -> bool:
+    return in_features % INT6_SUPER_BLOCK == 0 and out_features % 16 == 0
+
+
+def split_rows(config: ModelConfig) -> tuple[int, int]:
+    """A split Q/K/V layer's rows in each part: Q and K, then V."""
+    return config.q_size + config.kv_size, config.kv_size
 
 
 def q6_k_in_w6a8(mode: str) -> bool:

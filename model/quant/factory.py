@@ -4,6 +4,8 @@ factory and its own module, and to nothing else."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from model.quant.base import QUANTIZATIONS, QuantizedLinear
@@ -13,6 +15,7 @@ from model.quant.int6 import Int6Linear
 from model.quant.int8 import Int8Linear
 from model.quant.int8_group import Int8GroupLinear
 from model.quant.mxfp4 import Mxfp4Linear
+from model.quant.split import SplitLinear, split_parts
 
 
 def quantized_linear(
@@ -53,3 +56,25 @@ def quantized_linear(
     if quantization == "w4a8":
         return Int4Linear(in_features, out_features, device, int4_kernel, allowed=W4A8_KERNELS)
     raise ValueError(f"unknown quantization {quantization!r}; expected one of {QUANTIZATIONS}")
+
+
+def quantized_layer(
+    quantization: str,
+    in_features: int,
+    out_features: int,
+    v_rows: int,
+    int4_kernels: Mapping[tuple[str, int, int], str],
+) -> QuantizedLinear:
+    """An empty layer (on the meta device, filled as weights load) in `quantization`, each
+    int4 one on `int4_kernels`' choice for its shape; a split one ('int4+int6', a fused
+    Q/K/V layer's) holds its last `v_rows` rows, V's, in the second format."""
+    parts = split_parts(quantization)
+    if parts is None:
+        kernel = int4_kernels.get((quantization, in_features, out_features))
+        return quantized_linear(quantization, in_features, out_features, "meta", kernel)
+    rows = (out_features - v_rows, v_rows)
+    first, second = (
+        quantized_linear(q, in_features, n, "meta", int4_kernels.get((q, in_features, n)))
+        for q, n in zip(parts, rows, strict=True)
+    )
+    return SplitLinear(first, second)
