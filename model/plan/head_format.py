@@ -25,7 +25,7 @@ from model.plan.timing import cold_best_ms
 from model.plan.tuning import config_key, remembered
 from model.plan.weight_format import MEASURED_BATCH_SIZES, WeightFormat
 from model.quant.base import INT4_GROUP
-from model.quant.int6 import Int6Linear
+from model.quant.int6 import Int6Linear, on_grid
 from model.quant.int8_group import Int8GroupLinear
 
 logger = logging.getLogger(__name__)
@@ -101,6 +101,9 @@ def _head_ms(config: ModelConfig, candidate: str = "int8") -> tuple[float, float
     rows = max(16, config.vocab_size // 8 // 16 * 16)
     weight = torch.randn(rows, config.dim) * 0.02
     if candidate in ("int6", "w6a8"):  # the output projection's own int6 loop
+        # On Q6_K's grid, as a Q6_K head is: random floats loaded as rounded, with a
+        # warning at every start that timed them.
+        weight = on_grid(rows, config.dim, torch.Generator().manual_seed(0))
         head = Int6Linear(
             config.dim, rows, "cpu", logits=True, int8_activations=candidate == "w6a8"
         )
