@@ -59,9 +59,10 @@ static inline __attribute__((always_inline)) void group_dots(
 
 #ifdef INT4_SUPERBLOCKS
 /* Q4_K's own form, w = d sc q - dmin m = d sc (q - 8) + 8 d sc - dmin m: per group a row
- * adds (dx sum (q - 8) xq + 8 sum(x)) sc to its superblock's sum and takes sum(x) dmin m
- * off its total; the superblock's sum is scaled by d once. No (q - 8) offset, and d and dmin are read once per eight groups: fewer
- * operations per group than the plain layout's scale and zero. */
+ * adds (dx sum (q - 8) xq + 8 sum(x)) d sc to its total and takes sum(x) dmin m off it. d sc
+ * is exact in fp32 (11 and 6 significant bits) and shared by the block's rows; no (q - 8)
+ * offset. (Summing a superblock's groups by sc apart and scaling by d once held eight more
+ * accumulators and was 4% slower at 128 rows.) */
 static inline __attribute__((always_inline)) void tile_block(
     const int8_t *xq, int64_t k, const group_constants *c, int64_t groups, const uint8_t *w,
     const uint16_t *sz, uint16_t *y, int64_t y_stride, const int rows) {
@@ -69,16 +70,15 @@ static inline __attribute__((always_inline)) void tile_block(
     for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
     for (int64_t b = 0; b < groups / 8; b++) {
         const uint16_t *super = sz + b * INT4_SUPER_UNITS;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super));
         const __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + TILE)));
-        __m512 scaled[ROW_BLOCK];
-        for (int m = 0; m < rows; m++) scaled[m] = _mm512_setzero_ps();
         for (int j = 0; j < 8; j++) {
             const int64_t g = 8 * b + j;
             __m512i dot[ROW_BLOCK];
             group_dots(xq, k, g, groups, w, rows, dot);
             const uint8_t *sub = int4_sub(sz, g);
-            const __m512 sc = _mm512_cvtepi32_ps(
-                _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sub)));
+            const __m512 dsc = _mm512_mul_ps(
+                d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)sub))));
             const __m512 low = _mm512_mul_ps(dmin, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
                                                        _mm_loadu_si128((const __m128i *)(sub + TILE)))));
             for (int m = 0; m < rows; m++) {
@@ -87,12 +87,10 @@ static inline __attribute__((always_inline)) void tile_block(
                  * as in the plain loop, not by q. */
                 const __m512 part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[m]), _mm512_set1_ps(cg->d),
                                                     _mm512_set1_ps(cg->offset8));
-                scaled[m] = _mm512_fmadd_ps(part, sc, scaled[m]);
+                total[m] = _mm512_fmadd_ps(part, dsc, total[m]);
                 total[m] = _mm512_fnmadd_ps(_mm512_set1_ps(cg->sum), low, total[m]);
             }
         }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super));
-        for (int m = 0; m < rows; m++) total[m] = _mm512_fmadd_ps(scaled[m], d, total[m]);
     }
     for (int m = 0; m < rows; m++)
         _mm256_storeu_si256((__m256i *)(y + m * y_stride), (__m256i)_mm512_cvtneps_pbh(total[m]));
