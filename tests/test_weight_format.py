@@ -72,6 +72,32 @@ def test_a_single_candidate_is_not_timed() -> None:
     assert choose_weight_format([BF16], timer) == BF16
 
 
+def test_a_slow_spell_on_one_format_is_timed_again(monkeypatch) -> None:
+    """The first pass saw int4 slowed (75.7 against int8g's 57.9, as a 2-core EPYC once
+    did): the close candidates are timed again, last first, and each keeps its best; bf16,
+    past RETIME_WITHIN of the fastest, is not."""
+    first = {FP32: 287.0, BF16: 111.0, INT8G: 57.9, MIXED: 75.7}
+    again = {INT8G: 55.1, MIXED: 45.6}
+    calls: list[WeightFormat] = []
+
+    def step_ms(config, fmt, device, mode) -> float:
+        calls.append(fmt)
+        return first[fmt] if calls.count(fmt) == 1 else again[fmt]
+
+    monkeypatch.setattr(weight_format, "layer_step_ms", step_ms)
+    candidates = [FP32, BF16, INT8G, MIXED]
+    timings = weight_format.time_formats(candidates, None, CPU, "auto")
+    assert calls == [*candidates, MIXED, INT8G]
+    assert timings == {
+        FP32.describe(): 287.0,
+        BF16.describe(): 111.0,
+        INT8G.describe(): 55.1,
+        MIXED.describe(): 45.6,
+    }
+    chosen = choose_weight_format(candidates, lambda fmt: timings[fmt.describe()])
+    assert chosen == MIXED
+
+
 def test_auto_never_quantises_below_the_checkpoint(monkeypatch) -> None:
     monkeypatch.setattr(weight_format, "int8_activations_in_auto", lambda _mode: False)
     assert candidate_formats("auto", "auto", None, CPU) == [FP32, BF16]  # float weights
