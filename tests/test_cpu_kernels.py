@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import model.plan.format_choice as format_choice
 import model.plan.head_format as head_format
 import model.plan.int4_kernel as int4_kernel
 import model.plan.weight_format as weight_format
@@ -108,7 +109,7 @@ def test_auto_under_torch_leaves_out_the_formats_only_c_runs(monkeypatch) -> Non
     assert any(c.quantization == "int8g" for c in candidates)  # before the plan's filter
     config = checkpoint_config(None)
     monkeypatch.setattr(weight_format, "layer_step_ms", lambda _c, fmt, *_: 1.0)
-    fmt = weight_format.resolve_weight_format(
+    fmt = format_choice.resolve_weight_format(
         config, torch.device("cpu"), "auto", "auto", 8, mode="torch"
     )
     assert fmt.quantization is None

@@ -20,13 +20,8 @@ from model.network.decoder_layer import _native_weight
 from model.network.llama import Llama
 from model.network.paged_cache import PagedKVCache
 from model.plan import weight_format
-from model.plan.weight_format import (
-    WeightFormat,
-    candidate_formats,
-    choose_weight_format,
-    layer_step_ms,
-    resolve_weight_format,
-)
+from model.plan.format_choice import choose_weight_format, resolve_weight_format, time_formats
+from model.plan.weight_format import WeightFormat, candidate_formats, layer_step_ms
 from model.quant.int4 import Int4Linear
 from model.quant.int5 import Int5Linear
 from model.quant.int8_group import Int8GroupLinear
@@ -86,7 +81,7 @@ def test_a_slow_spell_on_one_format_is_timed_again(monkeypatch) -> None:
 
     monkeypatch.setattr(weight_format, "layer_step_ms", step_ms)
     candidates = [FP32, BF16, INT8G, MIXED]
-    timings = weight_format.time_formats(candidates, None, CPU, "auto")
+    timings = time_formats(candidates, None, CPU, "auto")
     assert calls == [*candidates, MIXED, INT8G]
     assert timings == {
         FP32.describe(): 287.0,

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from model.config import ModelConfig
+from model.plan.format_choice import resolve_weight_format
 from model.plan.head_format import head_int8, head_int8_applies
 from model.plan.int4_kernel import int4_format_kernel
 from model.plan.kernel_plan import Int4Kernels, KernelPlan, attention_name, native_argmax_available
@@ -25,7 +26,7 @@ from model.plan.layer_formats import (
     split_rows,
 )
 from model.plan.mode import allows_native, check_mode, check_quantization
-from model.plan.weight_format import WeightFormat, resolve_weight_format
+from model.plan.weight_format import WeightFormat
 from model.quant.split import split_parts
 
 
