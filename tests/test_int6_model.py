@@ -27,12 +27,9 @@ from tests.tiny_families import write_gguf
 from tests.tiny_models import write_tiny_tokenizer
 
 
-def write_q6_k_gguf(
-    tmp_path: Path, embedding: GGMLQuantizationType = GGMLQuantizationType.Q6_K
-) -> Path:
-    """Two layers of 256 wide; layer 1's down projection, layer 0's V (its Q/K/V then mixes
-    types, as a Q4_K_M file's does) and the tied embedding (or `embedding`) in Q6_K, every
-    other matrix in Q4_1."""
+def tiny_llama_256(tmp_path: Path, tie: bool) -> tuple[LlamaForCausalLM, Path]:
+    """Two layers of 256 wide (a whole K-quant super-block), 4 query and 2 KV heads of 64,
+    its matrices N(0, 0.05), saved with a tiny tokenizer in tmp_path / "hf"."""
     torch.manual_seed(0)
     config = LlamaConfig(
         hidden_size=256,
@@ -42,7 +39,7 @@ def write_q6_k_gguf(
         num_key_value_heads=2,
         vocab_size=512,
         max_position_embeddings=256,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
     )
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():
@@ -52,6 +49,16 @@ def write_q6_k_gguf(
     hf_dir = tmp_path / "hf"
     model.save_pretrained(hf_dir)
     write_tiny_tokenizer(hf_dir)
+    return model, hf_dir
+
+
+def write_q6_k_gguf(
+    tmp_path: Path, embedding: GGMLQuantizationType = GGMLQuantizationType.Q6_K
+) -> Path:
+    """Two layers of 256 wide; layer 1's down projection, layer 0's V (its Q/K/V then mixes
+    types, as a Q4_K_M file's does) and the tied embedding (or `embedding`) in Q6_K, every
+    other matrix in Q4_1."""
+    model, hf_dir = tiny_llama_256(tmp_path, tie=True)
     names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
     types = {f"blk.{i}.{n}.weight": GGMLQuantizationType.Q4_1 for i in (0, 1) for n in names}
     types["blk.1.ffn_down.weight"] = GGMLQuantizationType.Q6_K

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from model.checkpoint import open_checkpoint
 from model.config import ModelConfig
@@ -36,9 +35,8 @@ from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
 from model.quant.split import SplitLinear
 from tests.engine_driver import assert_batch_invariant
-from tests.test_int6_model import logprobs
+from tests.test_int6_model import logprobs, tiny_llama_256
 from tests.tiny_families import write_gguf
-from tests.tiny_models import write_tiny_tokenizer
 
 T = GGMLQuantizationType
 
@@ -58,25 +56,7 @@ def write_split_gguf(tmp_path: Path) -> Path:
     """Two layers of 256 wide, 4 query and 2 KV heads of 64, as Qwen2.5's Q4_K_M files mix
     them: layer 0's Q and K in Q4_K and its V in Q6_K, layer 1's Q and K in Q5_0 and its V
     in Q8_0; every other matrix in Q4_1, the output in Q8_0."""
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=512,
-        max_position_embeddings=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.05)
-    hf_dir = tmp_path / "hf"
-    model.save_pretrained(hf_dir)
-    write_tiny_tokenizer(hf_dir)
+    model, hf_dir = tiny_llama_256(tmp_path, tie=False)
     names = ("attn_output", "ffn_gate", "ffn_up", "ffn_down")
     types = {f"blk.{i}.{n}.weight": T.Q4_1 for i in (0, 1) for n in names}
     types |= {"blk.0.attn_v.weight": T.Q6_K, "blk.1.attn_v.weight": T.Q8_0}
