@@ -28,6 +28,7 @@ from model.native.layer_weight import (
 from model.network.decoder_layer import _native_weight
 from model.plan import build, int4_kernel, layer_formats, weight_format
 from model.plan.build import CheckpointFacts, PlanFlags, build_kernel_plan
+from model.plan.weight_format import WeightFormat
 from model.quant import int4
 from model.quant.int4 import Int4Linear
 from model.quant.int5 import Int5Linear
@@ -186,6 +187,20 @@ def test_tensor_parallelism_keeps_the_layer_whole(tmp_path, monkeypatch, int4_fa
         assert set(plan.layer_quantizations.values()) == expected
         if not parallel:  # the int4 part's shape has its kernel
             assert ("int4", 256, 384) in plan.int4_kernels
+
+
+def test_a_model_all_in_grouped_int8_keeps_the_layer_whole(tmp_path, monkeypatch) -> None:
+    """Where timing put the whole model in grouped int8, a Q/K/V with a Q8_0 V would be
+    grouped int8 twice: one layer, one call. A Q6_K V still takes int6."""
+    config = ModelConfig.from_hf_dir(write_split_gguf(tmp_path).parent / "hf")
+    monkeypatch.setattr(layer_formats, "int6_and_int8g_ms", lambda *_: (1.0, 2.0))
+    monkeypatch.setattr(layer_formats, "q6_k_in_w6a8", lambda *_: False)
+    split = {"layers.0.qkv_proj": ("Q4_K", "Q8_0"), "layers.1.qkv_proj": ("Q4_K", "Q6_K")}
+    fmt = WeightFormat(torch.bfloat16, "int8g")
+    own = layer_formats.layer_quantizations(
+        fmt, config, torch.device("cpu"), frozenset(), frozenset(), split_qkv=split
+    )
+    assert own == {"layers.1.qkv_proj": "int8g+int6"}
 
 
 def test_rows_that_straddle_the_parts_load_into_both() -> None:

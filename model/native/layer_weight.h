@@ -18,8 +18,8 @@ typedef struct {
 } layer_weight;
 
 /* SPLIT: one projection held in two kinds (model/quant/split.py: a Q/K/V layer's Q and K in
- * int4, its V in its own format); `weight` points to this. Outputs [0, first_rows) come from
- * `first`, the rest from `second`. */
+ * their format, int4 or int5, its V in its own); `weight` points to this. Outputs
+ * [0, first_rows) come from `first`, the rest from `second`. */
 typedef struct {
     layer_weight first, second;
     int64_t first_rows;

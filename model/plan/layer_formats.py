@@ -100,7 +100,8 @@ def layer_quantizations(
     v_int6 = v_int6 and bool(v_q6_k) and int6_pays(config.dim, config.kv_size)
     for key in split:
         v = INT6 if v_int6 and key in v_q6_k else INT8G
-        own[key] = split_name(first[key], v.quantization)
+        if v.quantization != first[key]:  # a model all in grouped int8 keeps the layer whole
+            own[key] = split_name(first[key], v.quantization)
     return own
 
 

@@ -1,8 +1,9 @@
 """One fused linear layer held in two formats: its first rows in one, the rest in another.
 
-A Q4_K_M file stores some layers' Q and K in Q4_K and their V in Q6_K (or Q8_0). Fused into
-one Q/K/V layer, grouped int8 was the narrowest single format that held all three: 8.5
-bits a weight where int4 holds Q and K exactly in 4.625 and int6 V in 6.625. On
+A Q4_K_M file stores some layers' Q and K in Q4_K (or Q5_0) and their V in Q6_K (or Q8_0).
+Fused into one Q/K/V layer, grouped int8 was the narrowest single format that held all
+three: 8.5 bits a weight where int4 holds Q4_K's Q and K exactly in 4.625 (int5 Q5_0's in
+5.5) and int6 V in 6.625. On
 Qwen2.5-Coder-1.5B those 14 layers read 46.8 MB a decode step in grouped int8 and 26.8 MB
 split, Q and K on the int4 kernel and V on its own. The C decoder layer runs both products
 in one call (model/native/decoder_layer.c, `SPLIT`).
