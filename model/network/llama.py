@@ -27,6 +27,7 @@ from model.network.weight_names import load_named_weights
 from model.parallel.comm import all_reduce, gather_vocab
 from model.parallel.plan import TensorParallel
 from model.plan.kernel_plan import KernelPlan
+from model.plan.layer_formats import split_rows
 from model.quant.base import QuantizedLinear
 from model.quant.factory import quantized_layer
 from model.quant.int6 import Int6Linear
@@ -155,7 +156,8 @@ class Llama(nn.Module):
                     owner, _, attr = name.rpartition(".")
                     parent = layer.get_submodule(owner) if owner else layer
                     shape = (child.in_features, child.out_features)
-                    module = quantized_layer(own, *shape, layer.config.kv_size, int4_kernels)
+                    v_rows = split_rows(layer.config)[1]  # a split Q/K/V layer's V
+                    module = quantized_layer(own, *shape, v_rows, int4_kernels)
                     setattr(parent, attr, module)
 
     def quantize_head(self, int6: bool = False, int8_activations: bool = False) -> None:

@@ -81,7 +81,7 @@ def layer_quantizations(
         own.update(dict.fromkeys(q5, q5_format))
     first = {key: q5_format if key in q5_split else fmt.quantization for key in split}
     split = [key for key in split if first[key] is not None]
-    q6 = [key for key in in_int8g(q6_k) if key_shape(config, key)[0] % INT6_SUPER_BLOCK == 0]
+    q6 = [key for key in in_int8g(q6_k) if int6_holds(*key_shape(config, key))]
     v_int6 = int6_holds(config.dim, config.kv_size)
     if int8_activations and q6_k_in_w6a8(mode):
         own.update(dict.fromkeys(q6, "w6a8"))
@@ -108,10 +108,11 @@ def layer_quantizations(
 def qkv_splits(config: ModelConfig) -> bool:
     """Whether a fused Q/K/V layer can be held as Q and K in one format and V in another:
     both parts whole tiles of 16 rows."""
-    return (config.q_size + config.kv_size) % 16 == 0 and config.kv_size % 16 == 0
+    return all(rows % 16 == 0 for rows in split_rows(config))
 
 
 def int6_holds(in_features: int, out_features: int) -> bool:
+    """Whether int6 (Q6_K's super-blocks of 256 inputs, tiles of 16 outputs) takes the shape."""
     return in_features % INT6_SUPER_BLOCK == 0 and out_features % 16 == 0
 
 
@@ -183,7 +184,7 @@ def quantized_head_format(
     stored in Q6_K (or tied to an embedding that is) int6 where it times no slower; each on
     int8 activations (w8a8, w6a8) where the model's Q6_K layers take them (`q6_k_in_w6a8`)."""
     int8_activations = fmt.quantization == "w4a8" and fmt.wide is not None and q6_k_in_w6a8(mode)
-    if block_type != "Q6_K" or config.dim % INT6_SUPER_BLOCK or config.vocab_size % 16:
+    if block_type != "Q6_K" or not int6_holds(config.dim, config.vocab_size):
         return "w8a8" if int8_activations else "int8"
     if int8_activations:
         return "w6a8"
