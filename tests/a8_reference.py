@@ -2,7 +2,7 @@
 the `gguf` package dequantises them times the activations rounded to int8 here,
 independently, in float64."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -17,12 +17,13 @@ def assert_matches_quantised_product(
     weight: torch.Tensor,
     logits: bool,
     fp32_bound: float,
+    rows_tried: Sequence[int] = ROWS,
 ) -> None:
     """fp32 output (logits) within `fp32_bound` of the quantised product (exact integer sums,
     fp32 scaling; an activation rounded the other way at a tie), bf16 output within 4e-3;
     both off the exact product by about what rounding x to 8 bits costs (~5e-3)."""
     generator = torch.Generator().manual_seed(5)
-    for rows in ROWS:
+    for rows in rows_tried:
         x = torch.randn(rows, weight.shape[1], generator=generator).bfloat16()
         y = product(x)
         assert y.dtype == (torch.float32 if logits else torch.bfloat16)

@@ -50,6 +50,13 @@ def test_each_level_takes_its_own_matmul_loop(kernel: type) -> None:
     assert kinds.get("avx512", "avx2") == "avx2"  # x86-64-v4: AVX2, but no AVX-512 BF16
 
 
+def test_w6a8_takes_vpdpbusd_where_the_cpu_has_avx512_vnni() -> None:
+    kinds = {isa: NativeInt6A8Matmul(library_at(isa)).kind for isa in ISAS}
+    vnni = {"avx512_vnni", "avx512bw"} <= build.cpu_flags()
+    assert kinds.get("native") == ("avx512_vnni" if vnni else kinds.get("native"))
+    assert kinds.get("avx512", "avx2") == "avx2"  # x86-64-v4 has no VNNI
+
+
 def test_each_level_takes_its_own_mxfp4_loop() -> None:
     kinds = {isa: NativeMxfp4Matmul(library_at(isa)).kind for isa in ISAS}
     assert kinds.get("avx512", "avx512") == "avx512"  # AVX-512F's 16-entry vpermps

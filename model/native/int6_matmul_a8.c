@@ -15,8 +15,14 @@
  * stay within 2 * 4 * 32 * 127 = 32512 < 2^15, and 16-bit adds wrap, so the order of the
  * terms leaves the sum's bits as they were. vpmaddwd by c, masked to the even (odd) 16-bit
  * lanes, widens them to 32 bits and applies c at once: lane j holds column 2 j (2 j + 1).
- * AVX-512 builds take the same loop (auto takes int8 activations only where there are no
- * bf16 products); other CPUs a portable one.
+ * AVX-512 builds without VNNI take the same loop; other CPUs a portable one.
+ *
+ * AVX-512 VNNI: a step's low and high nibble pairs of column i, 6 bits each, are put side
+ * by side in 32-bit lane i (vpermt2w), four K in order, and vpdpbusd adds their products
+ * with four xq to a sum that starts at -32 times the sub-block's xq sum; vpmulld applies c.
+ * The sums are the AVX2 loop's, exact, and scaled in the same order: the two loops give
+ * the same bits. From UNPACKED_ROWS rows on, each pair of tiles is unpacked once for all
+ * blocks of rows (128 rows of [1536 x 8960]: 9.4 ms with bf16 products, 7.2 here).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,7 +41,125 @@
 #define SUPER_BYTES (SUBS * SUB_BYTES)
 #define STEPS_PER_SUPER (SUPER / 4)
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* Word i of `lo` then word i of `hi` (i = 0..15, from word `first` of each): a step's
+ * low-nibble pair and high-nibble pair of column i side by side, so that 32-bit lane i
+ * holds column i's four K in order. */
+static inline __m512i column_fours(const __m512i lo, const __m512i hi, const int first) {
+    const __m512i order = _mm512_set_epi16(
+        first + 47, first + 15, first + 46, first + 14, first + 45, first + 13, first + 44,
+        first + 12, first + 43, first + 11, first + 42, first + 10, first + 41, first + 9,
+        first + 40, first + 8, first + 39, first + 7, first + 38, first + 6, first + 37,
+        first + 5, first + 36, first + 4, first + 35, first + 3, first + 34, first + 2,
+        first + 33, first + 1, first + 32, first);
+    return _mm512_permutex2var_epi16(lo, order, hi);
+}
+
+/* A sub-block's operands: q[s] (32-bit lane i: column i's four K of step s, unsigned) and
+ * q[4] (lane i: column i's c). */
+#define UNPACKED_PER_SUB 5
+
+static inline __attribute__((always_inline)) void unpack_sub(const uint8_t *ws,
+                                                             __m512i q[UNPACKED_PER_SUB]) {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), top = _mm512_set1_epi8(0x30);
+    /* The high bits of an even step sit 4 bits lower than an odd one's (int6_matmul.c). */
+    const __m512i even_shift = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_setzero_si256(), 1);
+    for (int u = 0; u < 2; u++) { /* steps 2 u and 2 u + 1 */
+        const __m512i bytes = _mm512_loadu_si512((const void *)(ws + 64 * u));
+        const __m512i tb = _mm512_sllv_epi16(
+            _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(ws + HIGH_BITS + 32 * u))),
+            even_shift);
+        const __m512i lo =
+            _mm512_or_si512(_mm512_and_si512(bytes, nibble), _mm512_and_si512(tb, top));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(bytes, 4), nibble),
+                                           _mm512_and_si512(_mm512_srli_epi16(tb, 2), top));
+        q[2 * u] = column_fours(lo, hi, 0);
+        q[2 * u + 1] = column_fours(lo, hi, 16);
+    }
+    q[4] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(ws + SUB_SCALES)));
+}
+
+/* `unpacked`: the tile's operands, unpack_sub's for each sub-block in order, or NULL to
+ * unpack them here. */
+static inline __attribute__((always_inline)) void tile_block_from(
+    const int8_t *xq, const int16_t *offsets, int64_t k, const group_constants *c,
+    int64_t supers, const uint8_t *w, const float *scales, void *y, int64_t y_stride,
+    const int rows, const int f32_out, const __m512i *unpacked) {
+    __m512 total[ROW_BLOCK];
+    for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < supers; g++) {
+        __m512 part[ROW_BLOCK];
+        __m512i t[ROW_BLOCK];
+        for (int m = 0; m < rows; m++) part[m] = _mm512_setzero_ps();
+        for (int b = 0; b < SUBS; b++) {
+            __m512i q[UNPACKED_PER_SUB];
+            if (unpacked != NULL) {
+                for (int s = 0; s < UNPACKED_PER_SUB; s++)
+                    q[s] = _mm512_load_si512(unpacked + (g * SUBS + b) * UNPACKED_PER_SUB + s);
+            } else {
+                const uint8_t *ws = w + g * SUPER_BYTES + b * SUB_BYTES;
+                if (rows >= PREFETCH_ROWS)
+                    prefetch_ahead(w, ws - w, SUB_BYTES, supers * SUPER_BYTES);
+                unpack_sub(ws, q);
+            }
+            const int64_t at = g * SUPER + b * SUB; /* the sub-block's first K */
+            for (int m = 0; m < rows; m++) {
+                const int8_t *xs = xq + m * k + at;
+                const int16_t *os = offsets + m * (k / 8) + at / 8;
+                /* Starting from -32 times the sum of xq: the sum of (q - 32) xq, exact. */
+                __m512i acc = _mm512_set1_epi32((int32_t)os[0] + os[1]);
+                for (int s = 0; s < 4; s++) {
+                    int32_t four;
+                    memcpy(&four, xs + 4 * s, 4);
+                    acc = _mm512_dpbusd_epi32(acc, q[s], _mm512_set1_epi32(four));
+                }
+                acc = _mm512_mullo_epi32(acc, q[4]);
+                if (b % 2 == 0) {
+                    t[m] = acc;
+                } else {
+                    const __m512 dx = _mm512_set1_ps(c[m * (k / GROUP) + at / GROUP].d);
+                    part[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(t[m], acc)),
+                                              dx, part[m]);
+                }
+            }
+        }
+        const __m512 d = _mm512_loadu_ps(scales + g * TILE);
+        for (int m = 0; m < rows; m++) total[m] = _mm512_fmadd_ps(part[m], d, total[m]);
+    }
+    for (int m = 0; m < rows; m++) {
+        float out[TILE];
+        _mm512_storeu_ps(out, total[m]);
+        for (int i = 0; i < TILE; i++) store(y, m * y_stride + i, out[i], !f32_out);
+    }
+}
+
+static inline __attribute__((always_inline)) void tile_block(
+    const int8_t *xq, const int16_t *offsets, int64_t k, const group_constants *c,
+    int64_t supers, const uint8_t *w, const float *scales, void *y, int64_t y_stride,
+    const int rows, const int f32_out) {
+    tile_block_from(xq, offsets, k, c, supers, w, scales, y, y_stride, rows, f32_out, NULL);
+}
+
+/* n tiles' operands into `buffer`, one tile after the other. */
+static void unpack_tiles(const uint8_t *w, int64_t tile_bytes, int64_t supers, int n,
+                         __m512i *buffer) {
+    for (int i = 0; i < n; i++)
+        for (int64_t sub = 0; sub < supers * SUBS; sub++) {
+            if (sub % 4 == 0)
+                prefetch_ahead(w + i * tile_bytes, sub * SUB_BYTES, 4 * SUB_BYTES, tile_bytes);
+            unpack_sub(w + i * tile_bytes + sub * SUB_BYTES,
+                       buffer + (i * supers * SUBS + sub) * UNPACKED_PER_SUB);
+        }
+}
+
+/* From this many rows on, each pair of tiles is unpacked once, into a buffer of its own
+ * thread, for all the blocks of rows. */
+#define UNPACKED_ROWS 32
+#define INT6_A8_KERNEL "avx512_vnni"
+
+#elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
 /* Even (0x88) or odd (0xDD) columns of a tile's 16 fp32 in lane order j = 0..7. */
@@ -216,6 +340,30 @@ static int int6_matmul_a8(const uint16_t *x, int64_t x_stride, const uint8_t *w,
         return 2;
     }
     step_offsets(xq, rows * k, offsets);
+#ifdef UNPACKED_ROWS
+    if (rows >= UNPACKED_ROWS) {
+        int status = 0;
+        const int64_t per_tile = supers * SUBS * UNPACKED_PER_SUB;
+#define UNPACK unpack_tiles(w + t * tile_bytes, tile_bytes, supers, n, buffer)
+#define FROM(r, i)                                                                          \
+    tile_block_from(xq + m0 * k, offsets + m0 * (k / 8), k, c + m0 * (k / GROUP), supers,   \
+                    w + (t + i) * tile_bytes, scales + (t + i) * tile_scales,               \
+                    (char *)y + (m0 * n_out + (t + i) * TILE) * width, n_out, r, f32_out,    \
+                    (const __m512i *)buffer + i * per_tile)
+#define PAIR(r) FROM(r, 0); FROM(r, 1)
+#define SINGLE(r) FROM(r, 0)
+        FOR_UNPACKED_TILE_PAIRS(tiles, rows, sizeof(__m512i) * 2 * per_tile, status, UNPACK, PAIR,
+                                SINGLE);
+#undef SINGLE
+#undef PAIR
+#undef FROM
+#undef UNPACK
+        free(offsets);
+        free(xq);
+        free(c);
+        return status;
+    }
+#endif
 #define SINGLE(r)                                                                           \
     tile_block(xq + m0 * k, offsets + m0 * (k / 8), k, c + m0 * (k / GROUP), supers,         \
                w + t * tile_bytes, scales + t * tile_scales,                                 \

@@ -19,7 +19,9 @@ nearly tie can hold most of a plain mean: on Qwen2.5-Coder-1.5B one of 100 posit
 scales were held, the same kernels otherwise. Under `KL_THRESHOLD` each int4 shape's
 kernel is chosen again among both (timed, as on AVX2: model/plan/int4_kernel.py); else
 nothing changes. One kernel per layer for every row count, so outputs stay batch-invariant
-within a process.
+within a process. Where the int6 kernel with int8 activations has its VNNI loop, the probe's
+int8 forward puts the int6 (Q6_K) layers and output projection on it too, and under the
+threshold each int6 shape takes whichever times faster (model/plan/int6_activations.py).
 
 The KL is stored in the tuning store (model/plan/tuning.py), keyed by the model's file,
 shape and formats (the store is per kernel build), so a restart does not probe again; it
@@ -47,9 +49,12 @@ from model.network.batch import Batch
 from model.network.llama import Llama
 from model.network.paged_cache import PagedKVCache
 from model.plan.int4_kernel import int4_kernel_for
+from model.plan.int6_activations import int6_a8_vnni, w6a8_pays
 from model.plan.kernel_plan import KernelPlan
 from model.plan.tuning import config_key, remembered
 from model.quant.int4 import Int4Linear
+from model.quant.int6 import Int6Linear
+from model.quant.split import split_name, split_parts
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
 
@@ -126,18 +131,36 @@ def switchable_layers(model: Llama) -> list[Int4Linear]:
     return [m for m in model.modules() if isinstance(m, Int4Linear) and m.kernel == "native"]
 
 
+def switchable_int6_layers(model: Llama) -> dict[str, Int6Linear]:
+    """The int6 layers on bf16 activations, and the output projection if it is one, by
+    name: where their int8-activation kernel is the VNNI loop (model/plan/int6_activations.py),
+    the probe tries them too."""
+    if not int6_a8_vnni():
+        return {}
+    return {
+        name: m
+        for name, m in model.named_modules()
+        if isinstance(m, Int6Linear) and not m.int8_activations
+    }
+
+
 def a8_logprobs(model: Llama, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe's two forwards: bf16 activations (as loaded), then int8 ones on every
-    int4 layer now on the bf16 kernel; the layers are left as they were."""
-    layers = switchable_layers(model)
+    int4 layer now on the bf16 kernel (and every int6 one `switchable_int6_layers` names);
+    the layers are left as they were."""
+    layers, int6 = switchable_layers(model), list(switchable_int6_layers(model).values())
     bf16 = next_token_logprobs(model, ids)
     try:
         for layer in layers:
             layer.use_kernel("native_a8")
+        for layer in int6:
+            layer.use_int8_activations(True)
         a8 = next_token_logprobs(model, ids)
     finally:
         for layer in layers:
             layer.use_kernel("native")
+        for layer in int6:
+            layer.use_int8_activations(False)
     return bf16, a8
 
 
@@ -180,9 +203,11 @@ def probed_plan(plan: KernelPlan, model: Llama, ids: list[int], path: Path) -> K
         measure = partial(probe_kl, model, ids)
         _probed[entry] = remembered("activation_probe_trimmed_kl", key, measure, timed=False)
     kl = _probed[entry]
-    cpu_s, wall_s = time.thread_time() - started, time.perf_counter() - wall
     taken = kl < KL_THRESHOLD
     kernels = dict(plan.int4_kernels)
+    if taken:
+        plan = int6_on_int8_activations(plan, model)
+    cpu_s, wall_s = time.thread_time() - started, time.perf_counter() - wall
     if taken:
         device = torch.device(plan.device)
         for (quantization, in_features, out_features), kernel in plan.int4_kernels.items():
@@ -206,3 +231,24 @@ def probed_plan(plan: KernelPlan, model: Llama, ids: list[int], path: Path) -> K
         ", ".join(f"[{o} x {i}] {k}" for (q, i, o), k in kernels.items() if q == "int4"),
     )
     return dataclasses.replace(plan, int4_kernels=kernels)
+
+
+def int6_on_int8_activations(plan: KernelPlan, model: Llama) -> KernelPlan:
+    """Each int6 shape the probe tried on int8 activations switched to them where they time
+    faster (`w6a8_pays`), and the plan's formats saying so: 'w6a8' for the layer or the
+    output projection, 'int4+w6a8' for a split Q/K/V layer's V."""
+    formats, head = dict(plan.layer_quantizations), plan.head
+    layers = switchable_int6_layers(model)
+    shapes = {(m.in_features, m.out_features, m.logits) for m in layers.values()}
+    pays = {shape: w6a8_pays(*shape) for shape in sorted(shapes)}
+    for name, layer in layers.items():
+        if not pays[layer.in_features, layer.out_features, layer.logits]:
+            continue
+        layer.use_int8_activations(True)
+        if layer.logits:
+            head = "w6a8"
+            continue
+        key = name.removesuffix(".second")  # a split layer's V part
+        parts = split_parts(formats.get(key))
+        formats[key] = "w6a8" if parts is None else split_name(parts[0], "w6a8")
+    return dataclasses.replace(plan, layer_quantizations=formats, head=head)

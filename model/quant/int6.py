@@ -67,12 +67,7 @@ class Int6Linear(QuantizedLinear):
         """The kernel's own buffers, filled tile by tile as rows come in (`_stage`): packed
         from a copy of the whole layer, a vocabulary's weight was held twice while
         loading (0.19 GB more for Qwen2.5-Coder-1.5B's output projection)."""
-        kernels = (
-            (NativeInt6A8Matmul, NativeInt6A8Logits)
-            if self.int8_activations
-            else (NativeInt6Matmul, NativeInt6Logits)
-        )
-        self._native = kernels[self.logits]()
+        self._native = _kernel(self.int8_activations, self.logits)
         self.weight_int6 = empty_on_huge_pages(
             (self.out_features * self.in_features * 13 // 16,), torch.uint8, "cpu"
         )
@@ -134,6 +129,14 @@ class Int6Linear(QuantizedLinear):
                 total,
             )
 
+    def use_int8_activations(self, on: bool) -> None:
+        """Switches between the C kernels with bf16 and with int8 activations, which read
+        the same packed bytes: the activation probe (model/plan/activation_probe.py) tries
+        a loaded model both ways."""
+        self.int8_activations = on
+        if self._native is not None:
+            self._native = _kernel(on, self.logits)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.first_outputs(x, self.out_features)
 
@@ -167,6 +170,15 @@ class Int6Linear(QuantizedLinear):
         d = self.scales.view(-1, supers, 16)[tile, :, column]
         rows = (q - 32).float() * (d[..., None] * c.float())[..., None]
         return rows.reshape(*ids.shape, self.in_features).to(dtype)
+
+
+def _kernel(int8_activations: bool, logits: bool) -> NativeInt6Matmul:
+    kernels = (
+        (NativeInt6A8Matmul, NativeInt6A8Logits)
+        if int8_activations
+        else (NativeInt6Matmul, NativeInt6Logits)
+    )
+    return kernels[logits]()
 
 
 def on_grid(out_features: int, in_features: int, generator: torch.Generator) -> torch.Tensor:

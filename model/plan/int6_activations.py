@@ -1,0 +1,79 @@
+"""Whether a model's int6 (Q6_K) layers and output projection take int8 activations on a
+CPU with bf16 products, once the activation probe (model/plan/activation_probe.py) has let
+its int4 layers take them.
+
+Where int6_matmul_a8.c has its AVX-512 VNNI loop, vpdpbusd multiplies 64 bytes a
+instruction against vdpbf16ps's 32 pairs, and the 6-bit weights take fewer instructions to
+unpack to bytes than to bf16: on a 2-core EPYC with AVX-512 BF16, 128 rows of Qwen2.5-Coder-
+1.5B's [1536 x 8960] down projection took 7.2 ms with int8 activations against 9.4 with
+bf16 ones, and one row streamed at 49 against 43 GB/s. Without VNNI the int8 loop is
+AVX2's (308 against 371 GOPS at 128 rows), and bf16 activations stay. Each shape is timed
+both ways, as the choice between int6 and grouped int8 is (`int6_and_int8g_ms`): on one
+thread, in its CPU time, over the batch sizes the weight format is chosen on.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from functools import partial
+
+import torch
+
+from model.native.build import NativeUnavailable
+from model.native.int6_a8 import NativeInt6A8Matmul
+from model.plan.timing import best_thread_ms, on_one_thread
+from model.plan.tuning import remembered
+from model.plan.weight_format import MEASURED_BATCH_SIZES
+from model.quant.int6 import Int6Linear, on_grid
+
+logger = logging.getLogger(__name__)
+
+
+def int6_a8_vnni() -> bool:
+    """Whether this build's int6 kernel with int8 activations is the AVX-512 VNNI loop."""
+    try:
+        return NativeInt6A8Matmul().kind == "avx512_vnni"
+    except NativeUnavailable:
+        return False
+
+
+def w6a8_pays(in_features: int, out_features: int, logits: bool) -> bool:
+    """Whether int6 layers of this shape (the output projection, `logits`) run faster with
+    int8 activations than with bf16 ones: timed once per shape and kernel build."""
+    key = {"shape": [out_features, in_features], "logits": logits}
+    with torch.inference_mode():
+        bf16_ms, a8_ms = remembered(
+            "int6_activations_thread_ms",
+            key,
+            lambda: int6_activations_ms(in_features, out_features, logits),
+            decode=tuple,
+        )
+    pays = a8_ms < bf16_ms
+    logger.info(
+        "int6 %s [%d, %d]: %s activations (int8 %.2f ms, bf16 %.2f ms)",
+        "output projection" if logits else "layers",
+        out_features,
+        in_features,
+        "int8" if pays else "bf16",
+        a8_ms,
+        bf16_ms,
+    )
+    return pays
+
+
+def int6_activations_ms(in_features: int, out_features: int, logits: bool) -> tuple[float, float]:
+    """Milliseconds of one product with bf16 and with int8 activations (geometric mean over
+    MEASURED_BATCH_SIZES), on the same packed bytes, at most 8192 of the output columns."""
+    rows = min(out_features, 8192)
+    layer = Int6Linear(in_features, rows, "cpu", logits=logits)
+    layer.load_rows(0, on_grid(rows, in_features, torch.Generator().manual_seed(0)))
+    logs = [0.0, 0.0]
+    with on_one_thread():
+        for batch in MEASURED_BATCH_SIZES:
+            x = torch.randn(batch, in_features).bfloat16()
+            for i, int8_activations in enumerate((False, True)):
+                layer.use_int8_activations(int8_activations)
+                logs[i] += math.log(best_thread_ms(partial(layer, x)))
+    n = len(MEASURED_BATCH_SIZES)
+    return math.exp(logs[0] / n), math.exp(logs[1] / n)
