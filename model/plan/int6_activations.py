@@ -2,14 +2,15 @@
 CPU with bf16 products, once the activation probe (model/plan/activation_probe.py) has let
 its int4 layers take them.
 
-Where int6_matmul_a8.c has its AVX-512 VNNI loop, vpdpbusd multiplies 64 bytes a
-instruction against vdpbf16ps's 32 pairs, and the 6-bit weights take fewer instructions to
-unpack to bytes than to bf16: on a 2-core EPYC with AVX-512 BF16, 128 rows of Qwen2.5-Coder-
+Where int6_matmul_a8.c has its AVX-512 VNNI loop, vpdpbusd takes 64 byte products an
+instruction against vdpbf16ps's 32 pairs, and 6-bit weights take fewer instructions to
+widen to bytes than to bf16: on a 2-core EPYC with AVX-512 BF16, 128 rows of Qwen2.5-Coder-
 1.5B's [1536 x 8960] down projection took 7.2 ms with int8 activations against 9.4 with
-bf16 ones, and one row streamed at 49 against 43 GB/s. Without VNNI the int8 loop is
-AVX2's (308 against 371 GOPS at 128 rows), and bf16 activations stay. Each shape is timed
-both ways, as the choice between int6 and grouped int8 is (`int6_and_int8g_ms`): on one
-thread, in its CPU time, over the batch sizes the weight format is chosen on.
+bf16 ones, and one row of its output projection streamed at 62-67 against 48-50 GB/s while
+memory was fast (docs/cpu-performance.md). Without VNNI the int8 loop is AVX2's (308
+against 371 GOPS at 128 rows), and bf16 activations stay. Each shape is timed both ways,
+as the choice between int6 and grouped int8 is (`int6_and_int8g_ms`): on one thread, in
+its CPU time, over the batch sizes the weight format is chosen on.
 """
 
 from __future__ import annotations
