@@ -130,8 +130,9 @@ def test_shapes_off_the_super_block_are_refused() -> None:
 
 def test_int6_against_grouped_int8_is_timed_on_one_thread(monkeypatch) -> None:
     """Both kernels split their tiles among threads alike: their ratio is taken on one
-    thread, which a busy second core cannot stretch, and the team is given back after."""
-    from model.plan import layer_formats
+    thread, which a busy second core cannot stretch, and the team is given back after; so
+    is int6 with bf16 against int8 activations (model/plan/int6_activations.py)."""
+    from model.plan import int6_activations, layer_formats, timing
 
     seen = []
 
@@ -140,12 +141,15 @@ def test_int6_against_grouped_int8_is_timed_on_one_thread(monkeypatch) -> None:
         run()
         return 1.0
 
-    monkeypatch.setattr(layer_formats, "best_thread_ms", timed)
+    monkeypatch.setattr(timing, "best_thread_ms", timed)
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         assert layer_formats.int6_and_int8g_ms(256, 32, logits=True) == (1.0, 1.0)
+        assert int6_activations.int6_activations_ms(256, 32, logits=False) == (1.0, 1.0)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
+    # Two products at each of the three batch sizes, per comparison, all on one thread.
+    assert seen == [1] * 12
     assert seen and set(seen) == {1}

@@ -16,14 +16,12 @@ its CPU time, over the batch sizes the weight format is chosen on.
 from __future__ import annotations
 
 import logging
-import math
-from functools import partial
 
 import torch
 
 from model.native.build import NativeUnavailable
 from model.native.int6_a8 import NativeInt6A8Matmul
-from model.plan.timing import best_thread_ms, on_one_thread
+from model.plan.timing import one_thread_geometric_ms
 from model.plan.tuning import remembered
 from model.plan.weight_format import MEASURED_BATCH_SIZES
 from model.quant.int6 import Int6Linear, on_grid
@@ -65,16 +63,14 @@ def w6a8_pays(in_features: int, out_features: int, logits: bool) -> bool:
 
 def int6_activations_ms(in_features: int, out_features: int, logits: bool) -> tuple[float, float]:
     """Milliseconds of one product with bf16 and with int8 activations (geometric mean over
-    MEASURED_BATCH_SIZES), on the same packed bytes, at most 8192 of the output columns."""
+    MEASURED_BATCH_SIZES), on the same weight, at most 8192 of the output columns."""
     rows = min(out_features, 8192)
-    layer = Int6Linear(in_features, rows, "cpu", logits=logits)
-    layer.load_rows(0, on_grid(rows, in_features, torch.Generator().manual_seed(0)))
-    logs = [0.0, 0.0]
-    with on_one_thread():
-        for batch in MEASURED_BATCH_SIZES:
-            x = torch.randn(batch, in_features).bfloat16()
-            for i, int8_activations in enumerate((False, True)):
-                layer.use_int8_activations(int8_activations)
-                logs[i] += math.log(best_thread_ms(partial(layer, x)))
-    n = len(MEASURED_BATCH_SIZES)
-    return math.exp(logs[0] / n), math.exp(logs[1] / n)
+    weight = on_grid(rows, in_features, torch.Generator().manual_seed(0))
+    layers = [
+        Int6Linear(in_features, rows, "cpu", logits=logits, int8_activations=a8)
+        for a8 in (False, True)
+    ]
+    for layer in layers:
+        layer.load_rows(0, weight)
+    bf16_ms, a8_ms = one_thread_geometric_ms(layers, in_features, MEASURED_BATCH_SIZES)
+    return bf16_ms, a8_ms

@@ -9,10 +9,8 @@ certain, a small timing lead is not)."""
 from __future__ import annotations
 
 import logging
-import math
 from collections import Counter
 from collections.abc import Mapping
-from functools import partial
 from types import MappingProxyType
 
 import torch
@@ -20,7 +18,7 @@ import torch
 from model.config import ModelConfig
 from model.plan import weight_format
 from model.plan.mode import allows_native
-from model.plan.timing import best_thread_ms, on_one_thread
+from model.plan.timing import one_thread_geometric_ms
 from model.plan.tuning import config_key, remembered
 from model.plan.weight_format import MEASURED_BATCH_SIZES, NEAR_TIE, WeightFormat, int4_fits
 from model.quant.int6 import SUPER_BLOCK as INT6_SUPER_BLOCK
@@ -253,13 +251,7 @@ def int6_and_int8g_ms(in_features: int, out_features: int, logits: bool) -> tupl
     weight = on_grid(rows, in_features, torch.Generator().manual_seed(0))
     int6 = Int6Linear(in_features, rows, "cpu", logits=logits)
     int8g = Int8GroupLinear(in_features, rows, "cpu", fp32_output=logits)
-    logs = [0.0, 0.0]
     for module in (int6, int8g):
         module.load_rows(0, weight)
-    with on_one_thread():
-        for batch in MEASURED_BATCH_SIZES:
-            x = torch.randn(batch, in_features).bfloat16()
-            for i, module in enumerate((int6, int8g)):
-                logs[i] += math.log(best_thread_ms(partial(module, x)))
-    n = len(MEASURED_BATCH_SIZES)
-    return math.exp(logs[0] / n), math.exp(logs[1] / n)
+    int6_ms, int8g_ms = one_thread_geometric_ms((int6, int8g), in_features, MEASURED_BATCH_SIZES)
+    return int6_ms, int8g_ms

@@ -4,8 +4,10 @@ machine (weight format, int4 kernel) rather than assumed."""
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -73,3 +75,18 @@ def on_one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def one_thread_geometric_ms(
+    products: Sequence[Callable[[torch.Tensor], object]], in_features: int, batches: Sequence[int]
+) -> tuple[float, ...]:
+    """Each product's milliseconds a call on random bf16 rows, on one thread in its CPU time
+    (`on_one_thread`, `best_thread_ms`), as the geometric mean over `batches` rows: for C
+    kernels that share their tiling, one of which a layer keeps at every batch size."""
+    logs = [0.0] * len(products)
+    with on_one_thread():
+        for batch in batches:
+            x = torch.randn(batch, in_features).bfloat16()
+            for i, product in enumerate(products):
+                logs[i] += math.log(best_thread_ms(partial(product, x)))
+    return tuple(math.exp(total / len(batches)) for total in logs)
