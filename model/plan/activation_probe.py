@@ -203,12 +203,11 @@ def probed_plan(plan: KernelPlan, model: Llama, ids: list[int], path: Path) -> K
         measure = partial(probe_kl, model, ids)
         _probed[entry] = remembered("activation_probe_trimmed_kl", key, measure, timed=False)
     kl = _probed[entry]
+    cpu_s, wall_s = time.thread_time() - started, time.perf_counter() - wall
     taken = kl < KL_THRESHOLD
     kernels = dict(plan.int4_kernels)
     if taken:
         plan = int6_on_int8_activations(plan, model)
-    cpu_s, wall_s = time.thread_time() - started, time.perf_counter() - wall
-    if taken:
         device = torch.device(plan.device)
         for (quantization, in_features, out_features), kernel in plan.int4_kernels.items():
             if quantization == "int4" and kernel == "native":
