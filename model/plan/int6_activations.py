@@ -16,6 +16,7 @@ its CPU time, over the batch sizes the weight format is chosen on.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -40,14 +41,9 @@ def int6_a8_vnni() -> bool:
 def w6a8_pays(in_features: int, out_features: int, logits: bool) -> bool:
     """Whether int6 layers of this shape (the output projection, `logits`) run faster with
     int8 activations than with bf16 ones: timed once per shape and kernel build."""
-    key = {"shape": [out_features, in_features], "logits": logits}
-    with torch.inference_mode():
-        bf16_ms, a8_ms = remembered(
-            "int6_activations_thread_ms",
-            key,
-            lambda: int6_activations_ms(in_features, out_features, logits),
-            decode=tuple,
-        )
+    bf16_ms, a8_ms = remembered_shape_ms(
+        "int6_activations_thread_ms", int6_activations_ms, in_features, out_features, logits
+    )
     pays = a8_ms < bf16_ms
     logger.info(
         "int6 %s [%d, %d]: %s activations (int8 %.2f ms, bf16 %.2f ms)",
@@ -59,6 +55,22 @@ def w6a8_pays(in_features: int, out_features: int, logits: bool) -> bool:
         bf16_ms,
     )
     return pays
+
+
+def remembered_shape_ms(
+    name: str,
+    measure: Callable[[int, int, bool], tuple[float, float]],
+    in_features: int,
+    out_features: int,
+    logits: bool,
+) -> tuple[float, float]:
+    """An int6 shape's two timings from the tuning store under `name`, or measured there
+    and stored: once per shape and kernel build."""
+    key = {"shape": [out_features, in_features], "logits": logits}
+    with torch.inference_mode():
+        return remembered(
+            name, key, lambda: measure(in_features, out_features, logits), decode=tuple
+        )
 
 
 def int6_activations_ms(in_features: int, out_features: int, logits: bool) -> tuple[float, float]:

@@ -17,6 +17,7 @@ import torch
 
 from model.config import ModelConfig
 from model.plan import weight_format
+from model.plan.int6_activations import remembered_shape_ms
 from model.plan.mode import allows_native
 from model.plan.timing import one_thread_geometric_ms
 from model.plan.tuning import config_key, remembered
@@ -154,14 +155,9 @@ def int6_pays(in_features: int, out_features: int, logits: bool = False) -> bool
     """Whether Q6_K layers of this shape (or the output projection, `logits`) run in int6
     rather than grouped int8: fewer bytes, but more work to unpack them, so timed once
     per shape and machine (`int6_and_int8g_ms`)."""
-    key = {"shape": [out_features, in_features], "logits": logits}
-    with torch.inference_mode():
-        int6_ms, int8g_ms = remembered(
-            "int6_against_int8g_thread_ms",
-            key,
-            lambda: int6_and_int8g_ms(in_features, out_features, logits),
-            decode=tuple,
-        )
+    int6_ms, int8g_ms = remembered_shape_ms(
+        "int6_against_int8g_thread_ms", int6_and_int8g_ms, in_features, out_features, logits
+    )
     pays = int6_ms <= int8g_ms * (1 + NEAR_TIE)
     logger.info(
         "Q6_K %s [%d, %d]: %s (int6 %.2f ms, grouped int8 %.2f ms)",
