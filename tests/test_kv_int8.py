@@ -101,6 +101,33 @@ def test_a_prefill_query_gets_the_bits_of_the_same_query_decoded(backend) -> Non
         assert torch.equal(one[0], chunk[j]), j
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_c_writer_leaves_quantizes_bytes(backend: CpuPagedBackend, dtype) -> None:
+    """The backend writes new K/V into an int8 cache in C: the bytes must be `quantize`'s,
+    for a tie at half a step, an all-zero head, an outlier, and rows that are views of a
+    wider projection output (K and V side by side, as a fused QKV product leaves them)."""
+    g = torch.Generator().manual_seed(3)
+    tokens, n_kv, head_dim = 37, 2, 64
+    qkv = torch.randn(tokens, 3 * n_kv * head_dim, generator=g) * 3
+    first_k = n_kv * head_dim  # where K's first head starts in a row
+    qkv[4, first_k + 7] = 250.0  # an outlier in a K head
+    qkv[5, first_k + head_dim : first_k + 2 * head_dim] = 0.0  # an all-zero K head
+    # A K head whose scale is 1/16: 2.5 and 3.5 steps are ties, rounded to even (2 and 4).
+    qkv[6, first_k : first_k + head_dim] = 0.0
+    qkv[6, first_k : first_k + 4] = torch.tensor([127 / 16, 2.5 / 16, 3.5 / 16, -2.5 / 16])
+    qkv = qkv.to(dtype)
+    k = qkv[:, n_kv * head_dim : 2 * n_kv * head_dim].view(tokens, n_kv, head_dim)
+    v = qkv[:, 2 * n_kv * head_dim :].view(tokens, n_kv, head_dim)
+    assert not k.is_contiguous()
+    blocks = 2 * tokens // BLOCK + 1
+    slots = torch.randperm(blocks * BLOCK, generator=g)[:tokens]
+    caches = [torch.zeros(blocks, BLOCK, n_kv, head_dim + 2, dtype=torch.int8) for _ in range(4)]
+    backend.write_kv(k, v, caches[0], caches[1], slots)
+    write_kv(k, v, caches[2], caches[3], slots)
+    assert caches[0][slots[6] // BLOCK, slots[6] % BLOCK, 0, :4].tolist() == [127, 2, 4, -2]
+    assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 SHAPES = {  # n_layers, n_kv_heads, head_dim
     "smollm2-135m": ModelConfig(
         dim=576, n_layers=30, n_heads=9, n_kv_heads=3, head_dim=64, ffn_dim=1536, vocab_size=8

@@ -26,7 +26,7 @@ from model.native.layer_weight import (
     SplitWeightStruct,
 )
 from model.network.decoder_layer import _native_weight
-from model.plan import build, int4_kernel, layer_formats, weight_format
+from model.plan import activation_probe, build, int4_kernel, layer_formats, weight_format
 from model.plan.build import CheckpointFacts, PlanFlags, build_kernel_plan
 from model.plan.weight_format import WeightFormat
 from model.quant import int4
@@ -119,6 +119,8 @@ def test_q_and_k_take_their_format_and_v_its_own_with_bf16_products(
     monkeypatch.setattr(layer_formats, "int6_and_int8g_ms", lambda *_: (1.0, 2.0))
     monkeypatch.setattr(layer_formats, "int5_pays", lambda *_: True)
     monkeypatch.setattr(layer_formats, "q6_k_in_w6a8", lambda *_: False)  # bf16 products
+    # and the activation probe, where it allows int8 activations, not timing them faster
+    monkeypatch.setattr(activation_probe, "w6a8_pays", lambda *_: False)
     loaded = load_model(path, dtype="auto", quantization="auto", progress=False)
     model = loaded.model
     assert split_parts(model) == [(Int4Linear, Int6Linear), (Int5Linear, Int8GroupLinear)]

@@ -83,7 +83,7 @@ class TorchRefBackend(AttentionBackend):
         window: int | None = None,
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        self.write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         out = None if plan.groups[0].whole else q.new_empty(q.shape)
         for g in plan.groups:  # at most two: decodes, prefills
             rows, max_q = g.token_index.shape
@@ -96,6 +96,16 @@ class TorchRefBackend(AttentionBackend):
                 return attn.reshape(q.shape)
             out[g.dest] = attn.flatten(0, 1)[g.src]
         return out
+
+    def write_kv(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(
         self,

@@ -71,10 +71,16 @@ static void write_rows(const void *x, int64_t row_stride, int64_t rows, const in
                           cache + (slots[r] * n_kv + h) * width);
 }
 
-/* For the C decoder layer (decoder_layer.c), whose K/V are bf16. */
+/* For the C decoder layer (decoder_layer.c), whose K/V are bf16, and for the layers in
+ * PyTorch (model/attention/cpu_paged.py), where one call per cache replaced about a dozen
+ * tensor operations of kv_int8.quantize. */
 void kv_int8_write_bf16(const void *x, int64_t row_stride, int64_t rows, const int64_t *slots,
                         int8_t *cache, int64_t n_kv, int64_t head_dim) {
     write_rows(x, row_stride, rows, slots, cache, n_kv, head_dim, 1);
+}
+void kv_int8_write_f32(const void *x, int64_t row_stride, int64_t rows, const int64_t *slots,
+                       int8_t *cache, int64_t n_kv, int64_t head_dim) {
+    write_rows(x, row_stride, rows, slots, cache, n_kv, head_dim, 0);
 }
 
 static void softmax(float *s, int64_t len) {
