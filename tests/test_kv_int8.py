@@ -87,10 +87,15 @@ def test_c_kernel_matches_the_reference_with_seven_query_heads_a_kv_head(
     torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
 
 
-def test_a_prefill_query_gets_the_bits_of_the_same_query_decoded(backend) -> None:
-    """bf16 prefills run on the kernel one query at a time: chunking changes nothing."""
-    prefill = 9
-    batch, q, k, v, k_cache, v_cache = _int8_step(torch.bfloat16, [5], prefill)
+@pytest.mark.parametrize(("prefill", "head_dim"), [(9, 64), (40, 64), (40, 128)])
+def test_a_prefill_query_gets_the_bits_of_the_same_query_decoded(
+    backend, prefill: int, head_dim: int
+) -> None:
+    """bf16 prefills run on the kernel a query at a time, or (AVX-512 BF16) in tiles of
+    queries whose scores share each run of keys: chunking changes nothing either way,
+    through tiles and runs of keys that end mid-block."""
+    batch, q, k, v, k_cache, v_cache = _random_step(torch.bfloat16, [5], prefill, 0, head_dim)
+    k_cache, v_cache = quantize(k_cache), quantize(v_cache)
     chunk = _attend(backend, batch, q, k, v, k_cache, v_cache)[-prefill:]
     write_kv(k, v, k_cache, v_cache, batch.slot_mapping)
     table = batch.block_tables[1, : -(-(9 + prefill) // BLOCK)].tolist()

@@ -70,6 +70,7 @@ HEADERS = (
     "paged_pairs_avx2.h",
     "paged_int8_avx512.h",
     "paged_int8_avx2.h",
+    "paged_int8_columns.h",
     "int5_avx512.h",
     "int6_avx512.h",
     "int8_rows.h",

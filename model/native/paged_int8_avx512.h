@@ -1,15 +1,16 @@
 /* paged_decode_int8.c's vectorised path with AVX-512, head_dim 64 or 128 (4 or 8 `chunks`
- * of 16): `int8_scores` (or `int8_scores_bf16`) and `int8_values`, which its
- * `pair_int8_fast` calls, beside paged_pairs_avx512.h's `sum_each` and `exponentiate`.
+ * of 16): `int8_scores` and `int8_values`, which its `pair_int8_fast` and `weigh_int8`
+ * call, beside paged_pairs_avx512.h's `sum_each` and `exponentiate`; and `widen32_bf16`
+ * for paged_int8_columns.h, which takes the scores of bf16 queries where the CPU has
+ * AVX-512 BF16.
  * Included by paged_decode_int8.c alone, after its `slot_scale`, where the compiler
  * targets AVX-512.
  *
  * The loops the compiler vectorised by itself reduced every score across lanes on its own
  * and kept the query heads' sums in memory: decode attention over an int8 cache took 1.6x
  * bf16's time per token and a prefill's 2.9x at 4,096 tokens. This path takes bf16's
- * shape: 16 keys a run, each widened once (to bf16 for dpbf16 where the CPU has AVX-512
- * BF16 and the queries are bf16, else to fp32) for every query head of the KV head, their
- * 16 sums reduced at once; each value widened once for several query heads, whose sums
+ * shape: 16 keys a run, each widened once to fp32 for every query head of the KV head,
+ * their 16 sums reduced at once; each value widened once for several query heads, whose sums
  * stay in registers. Every score and output element is computed in one order, fixed by
  * the sequence's own length, so a decode and a prefill's query get the same bits. */
 #ifndef LLAMASERVE_PAGED_INT8_AVX512_H
@@ -71,46 +72,6 @@ static inline __attribute__((always_inline)) void int8_scores(
 /* 32 int8 as 32 bf16, in order: exact, as |q| <= 127 needs 7 bits of significand. */
 static inline __m512i widen32_bf16(const int8_t *p) {
     return (__m512i)_mm512_cvtne2ps_pbh(widen16(p + 16), widen16(p));
-}
-
-/* int8_scores for bf16 queries where the CPU has AVX-512 BF16: q the pair's query heads as
- * they are (heads contiguous), each key widened to bf16 once and multiplied 32 exact
- * products an instruction (dpbf16, as paged_decode.c's bf16 path does), the attention
- * `scale` applied with each key's own. A prefill's query, whose keys are in the caches,
- * is bound by these products: about 1.3x faster than widening to fp32. */
-static inline __attribute__((always_inline)) void int8_scores_bf16(
-    const uint16_t *q, float scale, const int8_t *k_cache, const int64_t *table, int64_t len,
-    int64_t block_size, int64_t block_stride, int64_t token_stride, int64_t group,
-    float *scores, const int chunks) {
-    const int64_t head_dim = 16 * chunks;
-    __m512i wide[INT8_RUN][4];
-    float key_scales[INT8_RUN];
-    for (int64_t t = 0, b = 0, i = 0; t < len; t += INT8_RUN) {
-        for (int j = 0; j < INT8_RUN; j++) { /* the keys of tokens t + j, in block b, at i */
-            const int8_t *key = k_cache + table[b] * block_stride + i * token_stride;
-            for (int c = 0; c < chunks / 2; c++) wide[j][c] = widen32_bf16(key + 32 * c);
-            key_scales[j] = slot_scale(key, head_dim) * scale;
-            if (t + j + 1 < len && ++i == block_size) {
-                b++;
-                i = 0;
-            }
-        }
-        const __mmask16 valid = len - t >= 16 ? 0xFFFF : (__mmask16)((1u << (len - t)) - 1);
-        const __m512 scales = _mm512_loadu_ps(key_scales);
-        for (int64_t g = 0; g < group; g++) {
-            __m512i qv[4];
-            for (int c = 0; c < chunks / 2; c++)
-                qv[c] = _mm512_loadu_si512(q + g * head_dim + 32 * c);
-            __m512 part[INT8_RUN];
-            for (int j = 0; j < INT8_RUN; j++) {
-                part[j] = _mm512_setzero_ps();
-                for (int c = 0; c < chunks / 2; c++)
-                    part[j] = _mm512_dpbf16_ps(part[j], (__m512bh)wide[j][c], (__m512bh)qv[c]);
-            }
-            _mm512_mask_storeu_ps(scores + g * len + t, valid,
-                                  _mm512_mul_ps(sum_each(part), scales));
-        }
-    }
 }
 #endif
 
