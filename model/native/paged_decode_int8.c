@@ -52,6 +52,7 @@ static inline float slot_scale(const int8_t *slot, int64_t head_dim) {
 #define COLUMNS 0
 #define QUERY_TILE 1
 #endif
+#define TILE_SCORES_BYTES (8 << 20)
 
 /* One head's values into its slot: scale = bf16(max |x| / 127), q = round(x / scale). */
 static void quantize_slot(const void *x, int64_t first, int64_t head_dim, int bf16,
@@ -236,14 +237,19 @@ static int paged_decode_int8(const void *q, int64_t q_row_stride, const int8_t *
     int64_t longest = 1;
     for (int64_t r = 0; r < rows; r++) longest = seq_lens[r] > longest ? seq_lens[r] : longest;
     const int columns = COLUMNS && bf16 && (head_dim == 64 || head_dim == 128);
-    int64_t *firsts = malloc(sizeof(int64_t) * (rows + 1)), tiles = 0;
+    /* Each query of a tile holds group x longest scores: at most TILE_SCORES_BYTES of them
+     * a tile, so that long contexts take smaller tiles rather than larger buffers. */
+    const int64_t fitting = TILE_SCORES_BYTES / (int64_t)(sizeof(float) * group * longest);
+    const int64_t most = fitting < 1 ? 1 : fitting < QUERY_TILE ? fitting : QUERY_TILE;
+    int64_t *firsts = malloc(sizeof(int64_t) * (rows + 1)), tiles = 0, widest = 1;
     if (firsts == NULL) return 2;
     for (int64_t r = 0, n; r < rows; r += n) { /* windows: a row a tile */
         n = 1;
-        while (columns && window == 0 && n < QUERY_TILE && r + n < rows &&
+        while (columns && window == 0 && n < most && r + n < rows &&
                next_query(block_tables, table_stride, seq_lens, block_size, r + n - 1, r + n))
             n++;
         firsts[tiles++] = r;
+        widest = n > widest ? n : widest;
     }
     firsts[tiles] = rows;
     int failed = 0;
@@ -251,8 +257,8 @@ static int paged_decode_int8(const void *q, int64_t q_row_stride, const int8_t *
 #pragma omp parallel reduction(| : failed)
     {
         /* a tile's scores, then the values' scales of one sequence */
-        float *scores = malloc(sizeof(float) * (QUERY_TILE * group + 1) * longest);
-        float *value_scales = scores + QUERY_TILE * group * longest;
+        float *scores = malloc(sizeof(float) * (widest * group + 1) * longest);
+        float *value_scales = scores + widest * group * longest;
         float qf[MAX_GROUP][MAX_HEAD_DIM], acc[MAX_GROUP][MAX_HEAD_DIM];
         failed = scores == NULL;
 #pragma omp for schedule(static, 1)
