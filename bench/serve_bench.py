@@ -24,6 +24,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.amx_probe import WITHOUT_AMX, amx_faults
 from bench.embed_bench import race as embed_race
 from bench.gpt_oss_shape import gpt_oss_shape_gguf
 from bench.kv_long_bench import LongContext
@@ -128,6 +129,11 @@ AVX2_ENV = {
 
 def builds_description(isa: str) -> str:
     """Which instruction level each side's kernels were built for."""
+    if isa == "native" and amx_faults():
+        return (
+            "llamaserve's C kernels -march=native; llama-server as llama.cpp builds for this "
+            f"CPU but AMX, whose tile instructions fault here ({WITHOUT_AMX})"
+        )
     if isa == "native":
         return "llamaserve's C kernels -march=native; llama-server as llama.cpp builds for this CPU"
     return (

