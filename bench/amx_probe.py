@@ -1,12 +1,14 @@
-"""Whether AMX's tile instructions run on this machine, which decides how llama-server is
-built for it.
+"""Whether AMX code built by this machine's C compiler runs, which decides how llama-server
+is built for it.
 
-Some virtual machines list `amx_tile` among the CPU's flags, and the kernel grants a
-process the tile state, yet the first tile instruction raises SIGILL: llama.cpp's own build
-for such a CPU (`GGML_NATIVE`) then dies on its first matrix product (seen on a 2-core
-Intel Xeon with `amx_bf16 amx_int8 amx_tile`, in `tinygemm_kernel_amx`). The probe is a
-few lines of C that ask for the tile state and load a tile configuration, run in a child
-process; a peer built where it fails leaves AMX out and keeps the rest of `-march=native`.
+On a 2-core Intel Xeon listing `amx_bf16 amx_int8 amx_tile`, llama.cpp's own build for the
+CPU (`GGML_NATIVE`) died with SIGILL on its first matrix product, in
+`tinygemm_kernel_amx`, while PyTorch's prebuilt oneDNN ran AMX products on the same
+machine. Debian 12's GCC 12.2 at -O1 and above drops the stores that fill a tile
+configuration before `_tile_loadconfig` reads it, so the first tile instruction meets an
+unconfigured tile. The probe is that pattern (a configuration filled in C, loaded, a tile
+zeroed), built by the same compiler with optimisation and run in a child process; where
+it faults, the peer is built without AMX and keeps the rest of `-march=native`.
 """
 
 from __future__ import annotations
@@ -46,8 +48,8 @@ def cpu_lists_amx() -> bool:
 
 @cache
 def amx_runs() -> bool:
-    """True where the probe's tile instructions run; False where they fault, or where no
-    compiler can build the probe (llama.cpp's build then needs one too)."""
+    """True where the probe runs; False where it faults, or where no compiler can build
+    it (llama.cpp's build then needs one too)."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return False
@@ -63,5 +65,5 @@ def amx_runs() -> bool:
 
 
 def amx_faults() -> bool:
-    """The CPU lists AMX, yet its tile instructions do not run here."""
+    """The CPU lists AMX, yet AMX code this compiler builds does not run."""
     return cpu_lists_amx() and not amx_runs()

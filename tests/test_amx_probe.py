@@ -1,5 +1,5 @@
-"""bench/amx_probe.py: the compiler flags that build llama-server without AMX where its tile
-instructions fault, checked against the system's compiler itself."""
+"""bench/amx_probe.py: the compiler flags that build llama-server without AMX where the
+compiler's AMX code faults, checked against the system's compiler itself."""
 
 import shutil
 import subprocess
@@ -29,4 +29,3 @@ def test_without_amx_wins_over_march_on_either_side() -> None:
         macros = _macros(*order)
         assert "__AMX" not in macros, order
         assert "__AVX512BF16__" in macros and "__AVX512VNNI__" in macros, order
-
