@@ -102,7 +102,7 @@ def test_the_probe_int8_forward_takes_the_int6_layers_too(tmp_path, machine, mon
     )
     model, ids = loaded.model, list(range(3, 200, 7))
     int4 = activation_probe.switchable_layers(model)
-    int6 = list(activation_probe.switchable_int6_layers(model).values())
+    int6 = list(activation_probe.switchable_a8_layers(model).values())
     assert len(int4) > 0 and len(int6) == 3
     bf16, a8 = activation_probe.a8_logprobs(model, ids)
     assert not any(m.int8_activations for m in int6) and {m.kernel for m in int4} == {"native"}

@@ -21,7 +21,8 @@ kernel is chosen again among both (timed, as on AVX2: model/plan/int4_kernel.py)
 nothing changes. One kernel per layer for every row count, so outputs stay batch-invariant
 within a process. Where the int6 kernel with int8 activations has its VNNI loop, the probe's
 int8 forward puts the int6 (Q6_K) layers and output projection on it too, and under the
-threshold each int6 shape takes whichever times faster (model/plan/int6_activations.py).
+threshold each int6 shape takes whichever times faster (model/plan/int6_activations.py);
+a grouped-int8 output projection likewise (model/plan/head_activations.py).
 
 The KL is stored in the tuning store (model/plan/tuning.py), keyed by the model's file,
 shape and formats (the store is per kernel build), so a restart does not probe again; it
@@ -43,17 +44,17 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from model.native.build import NativeUnavailable
-from model.native.ops import native_int4_matmul
 from model.network.batch import Batch
 from model.network.llama import Llama
 from model.network.paged_cache import PagedKVCache
+from model.plan.head_activations import w8a8_head_pays
 from model.plan.int4_kernel import int4_kernel_for
-from model.plan.int6_activations import int6_a8_vnni, w6a8_pays
+from model.plan.int6_activations import int6_a8_vnni, vnni_beside_bf16, w6a8_pays
 from model.plan.kernel_plan import KernelPlan
 from model.plan.tuning import config_key, remembered
 from model.quant.int4 import Int4Linear
 from model.quant.int6 import Int6Linear
+from model.quant.int8_group import Int8GroupLinear
 from model.quant.split import split_name, split_parts
 from model.text.chat_template import ChatTemplate
 from model.text.tokenizer import Tokenizer
@@ -66,6 +67,8 @@ logger = logging.getLogger(__name__)
 # (by 1.5: int8 allowed), Gemma 3 270M Q4_K_M 0.00095; 0.002 is 2.4x under the first and
 # 4x over the 1.5B (docs/cpu-performance.md#accuracy).
 KL_THRESHOLD = 0.002
+# What the probe's int8 forward puts on int8 activations: part of its stored KL's key.
+A8_FORWARD = "int4, int6 (VNNI), grouped int8 output projection"
 # The share of the probe's positions its mean leaves out, the farthest first.
 TRIMMED = 0.05
 QUESTION = "Explain what this function does, then give one example call."
@@ -90,16 +93,6 @@ def probe_applies(plan: KernelPlan, quantization: str | None) -> bool:
     if not any(q == "int4" and k == "native" for (q, *_), k in plan.int4_kernels.items()):
         return False
     return vnni_beside_bf16()
-
-
-def vnni_beside_bf16() -> bool:
-    """Whether this build's int4 kernels have bf16 products and int8 ones (AVX-512 BF16
-    and VNNI): where w4a8 is available but `auto` does not time it on its own."""
-    try:
-        bf16, a8 = native_int4_matmul("native").kind, native_int4_matmul("native_a8").kind
-    except NativeUnavailable:
-        return False
-    return bf16 == "avx512_bf16" and a8 == "avx512_vnni"
 
 
 def probe_ids(
@@ -131,24 +124,25 @@ def switchable_layers(model: Llama) -> list[Int4Linear]:
     return [m for m in model.modules() if isinstance(m, Int4Linear) and m.kernel == "native"]
 
 
-def switchable_int6_layers(model: Llama) -> dict[str, Int6Linear]:
+def switchable_a8_layers(model: Llama) -> dict[str, Int6Linear | Int8GroupLinear]:
     """The int6 layers on bf16 activations, and the output projection if it is one, by
-    name: where their int8-activation kernel is the VNNI loop (model/plan/int6_activations.py),
+    name, where their int8-activation kernel is the VNNI loop (model/plan/int6_activations.py);
+    and a grouped-int8 output projection on bf16 activations (model/plan/head_activations.py):
     the probe tries them too."""
-    if not int6_a8_vnni():
-        return {}
+    int6 = int6_a8_vnni()
     return {
         name: m
         for name, m in model.named_modules()
-        if isinstance(m, Int6Linear) and not m.int8_activations
+        if (isinstance(m, Int6Linear) and int6 and not m.int8_activations)
+        or (isinstance(m, Int8GroupLinear) and m.fp32_output and not m.int8_activations)
     }
 
 
 def a8_logprobs(model: Llama, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe's two forwards: bf16 activations (as loaded), then int8 ones on every
-    int4 layer now on the bf16 kernel (and every int6 one `switchable_int6_layers` names);
-    the layers are left as they were."""
-    layers, int6 = switchable_layers(model), list(switchable_int6_layers(model).values())
+    int4 layer now on the bf16 kernel (and every layer `switchable_a8_layers` names); the
+    layers are left as they were."""
+    layers, int6 = switchable_layers(model), list(switchable_a8_layers(model).values())
     bf16 = next_token_logprobs(model, ids)
     try:
         for layer in layers:
@@ -195,6 +189,7 @@ def probed_plan(plan: KernelPlan, model: Llama, ids: list[int], path: Path) -> K
         **model_identity(path),
         "config": config_key(model.config),
         "formats": plan.formats(),
+        "a8": A8_FORWARD,
         "text": hashlib.sha256(str(ids).encode()).hexdigest()[:16],
     }
     entry = json.dumps(key, sort_keys=True, default=str)
@@ -234,16 +229,20 @@ def probed_plan(plan: KernelPlan, model: Llama, ids: list[int], path: Path) -> K
 
 def int6_on_int8_activations(plan: KernelPlan, model: Llama) -> KernelPlan:
     """Each int6 shape the probe tried on int8 activations switched to them where they time
-    faster (`w6a8_pays`), and the plan's formats saying so: 'w6a8' for the layer or the
-    output projection, 'int4+w6a8' for a split Q/K/V layer's V."""
+    faster (`w6a8_pays`; a grouped-int8 output projection `w8a8_head_pays`), and the plan's
+    formats saying so: 'w6a8' for the layer or the output projection, 'int4+w6a8' for a
+    split Q/K/V layer's V, 'w8a8' for a grouped-int8 output projection."""
     formats, head = dict(plan.layer_quantizations), plan.head
-    layers = switchable_int6_layers(model)
-    shapes = {(m.in_features, m.out_features, m.logits) for m in layers.values()}
-    pays = {shape: w6a8_pays(*shape) for shape in sorted(shapes)}
+    layers = switchable_a8_layers(model)
+    shapes = {_shape(m) for m in layers.values()}
+    pays = {shape: _a8_pays(*shape) for shape in sorted(shapes)}
     for name, layer in layers.items():
-        if not pays[layer.in_features, layer.out_features, layer.logits]:
+        if not pays[_shape(layer)]:
             continue
         layer.use_int8_activations(True)
+        if isinstance(layer, Int8GroupLinear):
+            head = "w8a8"
+            continue
         if layer.logits:
             head = "w6a8"
             continue
@@ -251,3 +250,15 @@ def int6_on_int8_activations(plan: KernelPlan, model: Llama) -> KernelPlan:
         parts = split_parts(formats.get(key))
         formats[key] = "w6a8" if parts is None else split_name(parts[0], "w6a8")
     return dataclasses.replace(plan, layer_quantizations=formats, head=head)
+
+
+def _shape(layer: Int6Linear | Int8GroupLinear) -> tuple[int, int, bool, bool]:
+    """(in, out, output projection, grouped int8)."""
+    int8 = isinstance(layer, Int8GroupLinear)
+    return layer.in_features, layer.out_features, int8 or layer.logits, int8
+
+
+def _a8_pays(in_features: int, out_features: int, logits: bool, int8: bool) -> bool:
+    if int8:
+        return w8a8_head_pays(in_features, out_features)
+    return w6a8_pays(in_features, out_features, logits)

@@ -17,6 +17,7 @@ from model.config import ModelConfig
 from model.plan.format_choice import resolve_weight_format
 from model.plan.head_format import head_int8, head_int8_applies
 from model.plan.int4_kernel import int4_format_kernel
+from model.plan.int6_activations import int6_a8_vnni, vnni_beside_bf16
 from model.plan.kernel_plan import Int4Kernels, KernelPlan, attention_name, native_argmax_available
 from model.plan.layer_formats import (
     key_shape,
@@ -78,7 +79,8 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
     if flags.quantized_head and mode != "torch" and head_int8_applies(config, fmt, quantized, dev):
         # The format it would take, timed against bf16 (model/plan/head_format.py).
         candidate = quantized_head_format(config, facts.head_block_type, fmt, mode)
-        if head_int8(mode, config, fmt, quantized, dev, candidate):
+        a8_form = head_a8_form(candidate, fmt, mode, flags.quantization, dev)
+        if head_int8(mode, config, fmt, quantized, dev, candidate, a8_form):
             head = candidate
     own = layer_quantizations(
         fmt,
@@ -160,3 +162,18 @@ def weight_format_for(
         some_4_bit,
         mode,
     )
+
+
+def head_a8_form(
+    candidate: str, fmt: WeightFormat, mode: str, quantization: str | None, dev: torch.device
+) -> str | None:
+    """The head's format on int8 activations where the activation probe
+    (model/plan/activation_probe.py `probe_applies`) will run after loading and may switch
+    it: `auto` int4 layers on bf16 activations where the int8 kernels have VNNI."""
+    if quantization != "auto" or mode != "auto" or dev.type != "cpu":
+        return None
+    if fmt.quantization != "int4" or fmt.dtype != torch.bfloat16 or not vnni_beside_bf16():
+        return None
+    if candidate == "int6":
+        return "w6a8" if int6_a8_vnni() else None
+    return "w8a8" if candidate == "int8" else None

@@ -38,15 +38,16 @@ def head_int8(
     quantized: bool,
     device: torch.device,
     candidate: str = "int8",
+    a8_form: str | None = None,
 ) -> bool:
     """Whether the output projection runs quantised (in `candidate`, a quantization name)
     under `--cpu-kernels mode`: never under `torch`, wherever it may under `native`, where
-    it times faster under `auto`."""
+    it (or `a8_form`) times faster under `auto`."""
     if mode == "torch":
         return False
     if mode == "native":
         return head_int8_applies(config, fmt, quantized, device)
-    return choose_head_int8(config, fmt, quantized, device, candidate)
+    return choose_head_int8(config, fmt, quantized, device, candidate, a8_form)
 
 
 def choose_head_int8(
@@ -55,36 +56,49 @@ def choose_head_int8(
     quantized: bool,
     device: torch.device,
     candidate: str = "int8",
+    a8_form: str | None = None,
 ) -> bool:
     """Whether the output projection runs in grouped int8 (model/quant/int8_group.py): only
     where the checkpoint stores it quantised in 8 bits or fewer (`quantized`: GGUF Q8_0,
     exact in int8, or Q6_K and narrower, within a sixteenth of their step; a float head is
     never quantised), beside quantised bf16 layers on the CPU, and where it times faster
     than the bf16 one. Its fp32 sums then replace the bf16 projection's bf16 rounding of
-    each logit."""
+    each logit.
+
+    `a8_form`: the candidate on int8 activations, where the activation probe may switch it
+    to them after loading (model/plan/head_activations.py); then the faster of the two is
+    what bf16 is timed against. Qwen2.5-Coder-1.5B's Q6_K head on a 2-core Intel Xeon
+    timed 34.0 ms in int6 and 30.6 in bf16, whose products at 32 rows ran on AMX, and
+    about 22 in w6a8: the head stayed bf16, and a one-stream decode step read its 467 MB
+    instead of 193. Where the probe then keeps bf16 activations, the head stays `candidate`,
+    which at one row still reads fewer bytes than bf16."""
     if not head_int8_applies(config, fmt, quantized, device):
         return False
+    forms = (candidate,) if a8_form is None else (candidate, a8_form)
     try:
         with torch.inference_mode():
-            int8_ms, bf16_ms = remembered(
-                "output_projection_cold_ms",
-                {"config": config_key(config), "format": candidate},
-                lambda: _head_ms(config, candidate),
-                decode=tuple,
-            )
+            timed = {
+                form: remembered(
+                    "output_projection_cold_ms",
+                    {"config": config_key(config), "format": form},
+                    partial(_head_ms, config, form),
+                    decode=tuple,
+                )
+                for form in forms
+            }
     except NativeUnavailable as exc:
         logger.warning("output projection stays bf16: %s", exc)
         return False
+    quantized_ms, bf16_ms = min(ms for ms, _ in timed.values()), timed[candidate][1]
     logger.info(
-        "output projection: %s (geometric mean over batch %s, weights from memory: %s %.2f "
-        "ms, bf16 %.2f ms)",
-        candidate if int8_ms < bf16_ms else "bf16",
+        "output projection: %s (geometric mean over batch %s, weights from memory: %s, bf16 "
+        "%.2f ms)",
+        candidate if quantized_ms < bf16_ms else "bf16",
         "/".join(str(b) for b in MEASURED_BATCH_SIZES),
-        candidate,
-        int8_ms,
+        ", ".join(f"{form} {ms:.2f} ms" for form, (ms, _) in timed.items()),
         bf16_ms,
     )
-    return int8_ms < bf16_ms
+    return quantized_ms < bf16_ms
 
 
 def head_int8_applies(

@@ -22,6 +22,7 @@ import torch
 
 from model.native.build import NativeUnavailable
 from model.native.int6_a8 import NativeInt6A8Matmul
+from model.native.ops import native_int4_matmul
 from model.plan.timing import one_thread_geometric_ms
 from model.plan.tuning import remembered
 from model.plan.weight_format import MEASURED_BATCH_SIZES
@@ -36,6 +37,16 @@ def int6_a8_vnni() -> bool:
         return NativeInt6A8Matmul().kind == "avx512_vnni"
     except NativeUnavailable:
         return False
+
+
+def vnni_beside_bf16() -> bool:
+    """Whether this build's int4 kernels have bf16 products and int8 ones (AVX-512 BF16
+    and VNNI): where w4a8 is available but `auto` does not time it on its own."""
+    try:
+        bf16, a8 = native_int4_matmul("native").kind, native_int4_matmul("native_a8").kind
+    except NativeUnavailable:
+        return False
+    return bf16 == "avx512_bf16" and a8 == "avx512_vnni"
 
 
 def w6a8_pays(in_features: int, out_features: int, logits: bool) -> bool:

@@ -67,10 +67,22 @@ class Int8GroupLinear(QuantizedLinear):
         self._staging[row : row + rows] = q.reshape(rows, -1)
         self.scales[row : row + rows] = d.reshape(rows, -1)
 
+    def _kernel(self) -> NativeInt8Matmul:
+        if not self.int8_activations:
+            return NativeInt8Matmul()
+        return NativeInt8A8Logits() if self.fp32_output else NativeInt8A8Matmul()
+
     def _pack(self) -> None:
-        kernels = (NativeInt8A8Matmul, NativeInt8A8Logits) if self.int8_activations else None
-        self._native = kernels[self.fp32_output]() if kernels else NativeInt8Matmul()
+        self._native = self._kernel()
         self.weight_int8, self.scales = self._native.pack(self._staging, self.scales)
+
+    def use_int8_activations(self, on: bool) -> None:
+        """Switches between the C kernels with bf16 and with int8 activations, which read
+        the same packed bytes: the activation probe (model/plan/activation_probe.py) tries
+        a loaded output projection both ways."""
+        self.int8_activations = on
+        if self._native is not None:
+            self._native = self._kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.first_outputs(x, self.out_features)
