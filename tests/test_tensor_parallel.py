@@ -1,7 +1,8 @@
 """Tensor parallelism over real torch.distributed processes (gloo, loopback): each rank a
 process of its own, holding its shard. Logits of a chunked prefill and a mixed step must
 equal the single-process model's within 1e-4: -tp 2 on tiny MHA, GQA and MQA checkpoints
-(MQA replicates its one KV head), -tp 3 on the default model (9 query heads, 3 KV heads);
+(MQA replicates its one KV head); within 4e-4, -tp 3 on the default model (9 query heads, 3
+KV heads, 30 layers);
 -tp 2 on the default model is refused in one sentence."""
 
 import socket
@@ -17,6 +18,10 @@ from model.parallel.plan import TensorParallel
 from tests.tiny_models import make_tiny_llama
 
 TOL = 1e-4
+# The default model's 30 layers and 49,152 logits, summed in another order across 3 ranks:
+# its largest difference was under 1e-4 on a 2-core AMD EPYC and 1.7e-4 on a 2-core Intel
+# Xeon (AVX-512, AMX), whose fp32 products PyTorch tiles otherwise; logits reach about 30.
+DEFAULT_MODEL_TOL = 4e-4
 
 
 def free_port() -> int:
@@ -84,7 +89,7 @@ def test_tp3_logits_match_one_process_on_the_default_model(ours_default, tmp_pat
     single = logits_of_fixed_steps(ours_default.model, ours_default.config.vocab_size)
     split = run_ranks(None, 3, tmp_path / "tp3.pt")
     for a, b in zip(split, single, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=TOL)
+        torch.testing.assert_close(a, b, rtol=0, atol=DEFAULT_MODEL_TOL)
 
 
 def test_sizes_that_do_not_split_are_refused_in_one_sentence() -> None:

@@ -13,34 +13,25 @@ weight format is chosen on, on at most 8192 of its rows.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-from model.plan.int6_activations import remembered_shape_ms
+from model.plan.int6_activations import int8_activations_pay
 from model.plan.timing import one_thread_geometric_ms
 from model.plan.weight_format import MEASURED_BATCH_SIZES
 from model.quant.int8_group import Int8GroupLinear
-
-logger = logging.getLogger(__name__)
 
 
 def w8a8_head_pays(in_features: int, out_features: int) -> bool:
     """Whether a grouped-int8 output projection of this shape runs faster with int8
     activations than with bf16 ones: timed once per shape and kernel build."""
-    bf16_ms, a8_ms = remembered_shape_ms(
-        "int8_head_activations_thread_ms", int8_head_ms, in_features, out_features, True
-    )
-    pays = a8_ms < bf16_ms
-    logger.info(
-        "grouped int8 output projection [%d, %d]: %s activations (int8 %.2f ms, bf16 %.2f ms)",
-        out_features,
+    return int8_activations_pay(
+        "grouped int8 output projection",
+        "int8_head_activations_thread_ms",
+        int8_head_ms,
         in_features,
-        "int8" if pays else "bf16",
-        a8_ms,
-        bf16_ms,
+        out_features,
+        True,
     )
-    return pays
 
 
 def int8_head_ms(in_features: int, out_features: int, logits: bool = True) -> tuple[float, float]:

@@ -52,13 +52,27 @@ def vnni_beside_bf16() -> bool:
 def w6a8_pays(in_features: int, out_features: int, logits: bool) -> bool:
     """Whether int6 layers of this shape (the output projection, `logits`) run faster with
     int8 activations than with bf16 ones: timed once per shape and kernel build."""
-    bf16_ms, a8_ms = remembered_shape_ms(
-        "int6_activations_thread_ms", int6_activations_ms, in_features, out_features, logits
+    what = "int6 output projection" if logits else "int6 layers"
+    return int8_activations_pay(
+        what, "int6_activations_thread_ms", int6_activations_ms, in_features, out_features, logits
     )
+
+
+def int8_activations_pay(
+    what: str,
+    name: str,
+    measure: Callable[[int, int, bool], tuple[float, float]],
+    in_features: int,
+    out_features: int,
+    logits: bool,
+) -> bool:
+    """Whether `measure`'s int8-activation time beats its bf16 one for this shape (stored
+    under `name`), logged as `what`."""
+    bf16_ms, a8_ms = remembered_shape_ms(name, measure, in_features, out_features, logits)
     pays = a8_ms < bf16_ms
     logger.info(
-        "int6 %s [%d, %d]: %s activations (int8 %.2f ms, bf16 %.2f ms)",
-        "output projection" if logits else "layers",
+        "%s [%d, %d]: %s activations (int8 %.2f ms, bf16 %.2f ms)",
+        what,
         out_features,
         in_features,
         "int8" if pays else "bf16",
