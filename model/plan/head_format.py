@@ -69,7 +69,7 @@ def choose_head_int8(
     to them after loading (model/plan/head_activations.py); then the faster of the two is
     what bf16 is timed against. Qwen2.5-Coder-1.5B's Q6_K head on a 2-core Intel Xeon
     timed 34.0 ms in int6 and 30.6 in bf16, whose products at 32 rows ran on AMX, and
-    about 22 in w6a8: the head stayed bf16, and a one-stream decode step read its 467 MB
+    19.7 in w6a8: the head stayed bf16, and a one-stream decode step read its 467 MB
     instead of 193. Where the probe then keeps bf16 activations, the head stays `candidate`,
     which at one row still reads fewer bytes than bf16."""
     if not head_int8_applies(config, fmt, quantized, device):
