@@ -12,7 +12,7 @@
  * and 128 with AVX-512 or AVX2 the pairs take the vectorised path of paged_int8_avx512.h
  * or paged_int8_avx2.h, with bf16 queries where the CPU has AVX-512 BF16 their scores in
  * paged_int8_columns.h, for up to 8 queries of a prefill at once (a 64-token chunk's
- * attention at 4,096 tokens of context took 0.73x bf16's time, against 0.97x before);
+ * attention at 4,096 tokens of context took 0.70x bf16's time, against 0.94-0.97x before);
  * elsewhere plain C loops that the compiler vectorises for the level it builds
  * (model/native/build.py).
  */
