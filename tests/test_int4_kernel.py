@@ -8,11 +8,13 @@ import torch
 import torch.nn.functional as F
 
 import model.plan.int4_kernel as int4_kernel
+from model.loader import load_model
 from model.native.build import NativeUnavailable
 from model.native.ops import NativeInt4Matmul
 from model.quant.base import INT4_GROUP
 from model.quant.int4 import Int4Linear
 from tests.native_builds import ISAS, kernel_build
+from tests.tiny_models import make_tiny_llama, write_tiny_tokenizer
 
 SHAPES = [(576, 960), (1536, 576), (64, 32), (64, 48)]  # (in, out); 48: an odd count of tiles
 ROWS = [1, 7, 8, 9, 33]  # around the blocks of 8 rows; from 16, blocks of two tiles
@@ -126,3 +128,29 @@ def test_no_compiler_falls_back_to_pytorch(monkeypatch) -> None:
 def test_unknown_kernel_is_refused() -> None:
     with pytest.raises(ValueError, match="unknown int4 kernel"):
         Int4Linear(64, 32, "cpu", kernel="fast")
+
+
+def test_the_c_decoder_layers_keep_c_kernels_whatever_the_timing(tmp_path, monkeypatch) -> None:
+    """PyTorch's kernel timed faster for every shape: where the C decoder layers run, the
+    int4 layers stay on the C kernel, as one shape on PyTorch's would take every layer off
+    the C path; with the PyTorch attention (no C layers) the timing decides."""
+    make_tiny_llama(tmp_path, heads="gqa")
+    write_tiny_tokenizer(tmp_path)
+    int4_kernel._choose_on_cpu.cache_clear()
+    timings = {"native": 2.0, "torch": 1.0}
+    monkeypatch.setattr(
+        int4_kernel,
+        "_time_kernels",
+        lambda _in, _out, allowed: {k: ms for k, ms in timings.items() if k in allowed},
+    )
+
+    def load(attention: str):
+        kwargs = {"dtype": "bfloat16", "quantization": "int4", "progress": False}
+        return load_model(tmp_path, attention_backend=attention, **kwargs).model
+
+    c_path = load("cpu_paged")
+    assert set(c_path.kernel_plan.int4_kernels.values()) == {"native"}
+    assert all(layer.native is not None for layer in c_path.layers)
+    reference = load("torch_ref")
+    assert set(reference.kernel_plan.int4_kernels.values()) == {"torch"}
+    int4_kernel._choose_on_cpu.cache_clear()

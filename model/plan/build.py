@@ -94,6 +94,11 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         facts.mxfp4_linears,
         {} if flags.tensor_parallel else facts.split_qkv_linears,
     )
+    attention = attention_name(mode, flags.attention_backend, device)
+    # Where the C decoder layers will take the int4 layers (model/network/decoder_layer.py).
+    c_layers = (
+        attention == "cpu_paged" and not flags.tensor_parallel and fmt.dtype == torch.bfloat16
+    )
     return KernelPlan(
         mode=mode,
         device=device,
@@ -101,17 +106,22 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         n_linears=len(linear_keys(config)),
         layer_quantizations=own,
         head=head,
-        int4_kernels=int4_kernels(mode, config, fmt, own, dev),
-        attention=attention_name(mode, flags.attention_backend, device),
+        int4_kernels=int4_kernels(mode, config, fmt, own, dev, c_layers),
+        attention=attention,
         argmax=mode != "torch" and native_argmax_available(),
     )
 
 
 def int4_kernels(
-    mode: str, config: ModelConfig, fmt: WeightFormat, own: dict[str, str], device: torch.device
+    mode: str,
+    config: ModelConfig,
+    fmt: WeightFormat,
+    own: dict[str, str],
+    device: torch.device,
+    c_layers: bool = False,
 ) -> Int4Kernels:
     """The kernel of each int4, w4a8 and mxfp4 layer shape the model holds, every shape
-    being known from its config."""
+    being known from its config; `c_layers`: the C decoder layers will run them."""
     kernels: Int4Kernels = {}
     for key in linear_keys(config):
         quantization = own.get(key, fmt.quantization)
@@ -120,7 +130,7 @@ def int4_kernels(
         if parts is not None:  # the int4 part of a split Q/K/V layer: Q and K
             quantization, shape = parts[0], (shape[0], split_rows(config)[0])
         if (quantization, *shape) not in kernels:
-            kernel = int4_format_kernel(mode, quantization, *shape, device)
+            kernel = int4_format_kernel(mode, quantization, *shape, device, c_layers)
             if quantization == "mxfp4":  # the C kernel wherever it may run, untimed
                 kernel = mxfp4_kernel(mode, fmt)
             if kernel is not None:
