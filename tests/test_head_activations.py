@@ -15,6 +15,7 @@ import model.plan.head_format as head_format
 from model.config import ModelConfig
 from model.loader import load_model
 from model.plan import activation_probe, head_activations
+from model.plan.activation_probe import probe_asked
 from model.plan.build import head_a8_form
 from model.plan.head_format import choose_head_int8
 from model.plan.weight_format import WeightFormat
@@ -97,10 +98,15 @@ def test_the_head_is_timed_in_the_faster_of_its_forms(monkeypatch) -> None:
     monkeypatch.setattr(head_format, "_head_ms", lambda _, form: times[form])
     assert not choose_head_int8(config, int4, True, cpu, "int6")
     assert choose_head_int8(config, int4, True, cpu, "int6", "w6a8")
-    assert head_a8_form("int8", int4, "auto", "auto", cpu) == "w8a8"
-    for mode, quantization, fmt in (
-        ("native", "auto", int4),
-        ("auto", "int4", int4),
-        ("auto", "auto", WeightFormat(torch.bfloat16, "w4a8")),
+    on_c = {("int4", 64, 192): "native"}
+    assert head_a8_form("int8", "auto", probe_asked("auto", "cpu", int4, on_c, "auto")) == "w8a8"
+    assert head_a8_form("int6", "native", True) is None
+    for quantization, fmt, kernels in (
+        ("int4", int4, on_c),
+        ("auto", WeightFormat(torch.bfloat16, "w4a8"), on_c),
+        # gpt-oss's shape: no int4 layer (Q8_0 attention, MXFP4 experts), so no probe
+        ("auto", int4, {("mxfp4", 2880, 5760): "native"}),
+        ("auto", int4, {("int4", 64, 192): "torch"}),
     ):
-        assert head_a8_form("int8", fmt, mode, quantization, cpu) is None
+        assert not probe_asked("auto", "cpu", fmt, kernels, quantization)
+    assert head_a8_form("int8", "auto", False) is None

@@ -50,8 +50,9 @@ from model.network.paged_cache import PagedKVCache
 from model.plan.head_activations import w8a8_head_pays
 from model.plan.int4_kernel import int4_kernel_for
 from model.plan.int6_activations import int6_a8_vnni, vnni_beside_bf16, w6a8_pays
-from model.plan.kernel_plan import KernelPlan
+from model.plan.kernel_plan import Int4Kernels, KernelPlan
 from model.plan.tuning import config_key, remembered
+from model.plan.weight_format import WeightFormat
 from model.quant.int4 import Int4Linear
 from model.quant.int6 import Int6Linear
 from model.quant.int8_group import Int8GroupLinear
@@ -83,14 +84,21 @@ _probed: dict[str, float] = {}
 
 
 def probe_applies(plan: KernelPlan, quantization: str | None) -> bool:
-    """Whether the probe is asked: `auto`'s format, bf16 activations on int4 layers of the
-    C kernel, where the int8-activation one has VNNI (w4a8 available, not taken)."""
-    fmt = plan.weight_format
-    if quantization != "auto" or plan.mode == "torch" or torch.device(plan.device).type != "cpu":
+    """Whether the probe is asked of a model built on `plan`."""
+    return probe_asked(plan.mode, plan.device, plan.weight_format, plan.int4_kernels, quantization)
+
+
+def probe_asked(
+    mode: str, device: str, fmt: WeightFormat, int4_kernels: Int4Kernels, quantization: str | None
+) -> bool:
+    """`auto`'s format, bf16 activations on int4 layers of the C kernel, where the
+    int8-activation one has VNNI (w4a8 available, not taken). The plan asks it too, before
+    loading, to time the output projection in the form the probe may switch it to."""
+    if quantization != "auto" or mode == "torch" or torch.device(device).type != "cpu":
         return False
     if fmt.quantization != "int4" or fmt.dtype != torch.bfloat16:
         return False
-    if not any(q == "int4" and k == "native" for (q, *_), k in plan.int4_kernels.items()):
+    if not any(q == "int4" and k == "native" for (q, *_), k in int4_kernels.items()):
         return False
     return vnni_beside_bf16()
 

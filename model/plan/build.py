@@ -1,8 +1,8 @@
 """Builds the kernel plan (model/plan/kernel_plan.py) once, before any weight is read, from
 what the checkpoint says of its weights, the model's shapes, the flags and the device. Every
-choice that times this machine is made here, in this order: the weight format, the output
-projection, the layers that run in their own format, the int4 kernel of each shape, the
-attention backend and the argmax. One choice waits for the weights: whether `auto`'s int4
+choice that times this machine is made here, in this order: the weight format, the layers
+that run in their own format, the attention backend, the int4 kernel of each shape, the
+output projection and the argmax. One choice waits for the weights: whether `auto`'s int4
 layers may take int8 activations where the CPU has bf16 products too, an accuracy probe of
 the loaded model (model/plan/activation_probe.py) that may change their kernels."""
 
@@ -14,10 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from model.config import ModelConfig
+from model.plan.activation_probe import probe_asked
 from model.plan.format_choice import resolve_weight_format
 from model.plan.head_format import head_int8, head_int8_applies
 from model.plan.int4_kernel import int4_format_kernel
-from model.plan.int6_activations import int6_a8_vnni, vnni_beside_bf16
+from model.plan.int6_activations import int6_a8_vnni
 from model.plan.kernel_plan import Int4Kernels, KernelPlan, attention_name, native_argmax_available
 from model.plan.layer_formats import (
     key_shape,
@@ -74,14 +75,6 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         some_4_bit=len(facts.wide_linears) < len(linear_keys(config)),
         mode=mode,
     )
-    head = None
-    quantized = facts.head_quantized
-    if flags.quantized_head and mode != "torch" and head_int8_applies(config, fmt, quantized, dev):
-        # The format it would take, timed against bf16 (model/plan/head_format.py).
-        candidate = quantized_head_format(config, facts.head_block_type, fmt, mode)
-        a8_form = head_a8_form(candidate, fmt, mode, flags.quantization, dev)
-        if head_int8(mode, config, fmt, quantized, dev, candidate, a8_form):
-            head = candidate
     own = layer_quantizations(
         fmt,
         config,
@@ -99,6 +92,16 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
     c_layers = (
         attention == "cpu_paged" and not flags.tensor_parallel and fmt.dtype == torch.bfloat16
     )
+    kernels = int4_kernels(mode, config, fmt, own, dev, c_layers)
+    head = None
+    quantized = facts.head_quantized
+    if flags.quantized_head and mode != "torch" and head_int8_applies(config, fmt, quantized, dev):
+        # The format it would take, timed against bf16 (model/plan/head_format.py).
+        candidate = quantized_head_format(config, facts.head_block_type, fmt, mode)
+        probed = probe_asked(mode, device, fmt, kernels, flags.quantization)
+        a8_form = head_a8_form(candidate, mode, probed)
+        if head_int8(mode, config, fmt, quantized, dev, candidate, a8_form):
+            head = candidate
     return KernelPlan(
         mode=mode,
         device=device,
@@ -106,7 +109,7 @@ def build_kernel_plan(config: ModelConfig, device: str, flags: PlanFlags) -> Ker
         n_linears=len(linear_keys(config)),
         layer_quantizations=own,
         head=head,
-        int4_kernels=int4_kernels(mode, config, fmt, own, dev, c_layers),
+        int4_kernels=kernels,
         attention=attention,
         argmax=mode != "torch" and native_argmax_available(),
     )
@@ -174,15 +177,12 @@ def weight_format_for(
     )
 
 
-def head_a8_form(
-    candidate: str, fmt: WeightFormat, mode: str, quantization: str | None, dev: torch.device
-) -> str | None:
-    """The head's format on int8 activations where the activation probe
-    (model/plan/activation_probe.py `probe_applies`) will run after loading and may switch
-    it: `auto` int4 layers on bf16 activations where the int8 kernels have VNNI."""
-    if quantization != "auto" or mode != "auto" or dev.type != "cpu":
-        return None
-    if fmt.quantization != "int4" or fmt.dtype != torch.bfloat16 or not vnni_beside_bf16():
+def head_a8_form(candidate: str, mode: str, probed: bool) -> str | None:
+    """The head's format on int8 activations where the activation probe will run after
+    loading (`probed`, model/plan/activation_probe.py) and may switch it. A head timed so
+    where no probe follows stayed in its slower form: gpt-oss's shape, whose layers hold no
+    int4, kept a Q8_0 head in int8 at 22 ms, timed at 15 in w8a8, where bf16 took 17."""
+    if mode != "auto" or not probed:
         return None
     if candidate == "int6":
         return "w6a8" if int6_a8_vnni() else None
